@@ -1,0 +1,54 @@
+"""The one command-line entry point: ``ssl-xcit <command> ...`` (also ``python -m ssl_xcit`` and ``lightning``).
+
+    ssl-xcit fit -c recipes/quickstart.yaml          # DINO pretraining (LightningCLI)
+    ssl-xcit validate -c recipes/quickstart.yaml --ckpt_path last
+    ssl-xcit export CKPT OUT.pth                       # teacher backbone as a plain state dict
+    ssl-xcit knn --weights W --train DIR --val DIR     # weighted k-NN on frozen features
+    ssl-xcit linear --weights W --train DIR --val DIR  # linear probe
+    ssl-xcit retrieval --weights W --dataset roxford5k --data-root D --method vlad
+    ssl-xcit models                                    # list the registered backbones
+
+Each command lives in its own module and is imported only when used, so ``ssl-xcit models`` does not pay for
+importing Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# command -> (module, function). LightningCLI subcommands share one module.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "fit": ("ssl_xcit.cli.train", "main"),
+    "validate": ("ssl_xcit.cli.train", "main"),
+    "test": ("ssl_xcit.cli.train", "main"),
+    "predict": ("ssl_xcit.cli.train", "main"),
+    "export": ("ssl_xcit.cli.export", "main"),
+    "knn": ("ssl_xcit.cli.knn", "main"),
+    "linear": ("ssl_xcit.cli.linear", "main"),
+    "retrieval": ("ssl_xcit.cli.retrieval", "main"),
+    "models": ("ssl_xcit.cli.models", "main"),
+}
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def _usage() -> str:
+    return "usage: ssl-xcit {" + ",".join(COMMANDS) + "} ...\n" + (__doc__ or "")
+
+
+def main(argv: Sequence[str] | None = None) -> object:
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a command; returns what the command returns."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        if not args:
+            raise SystemExit(2)
+        return None
+    command = args[0]
+    if command not in COMMANDS:
+        raise SystemExit(f"ssl-xcit: unknown command {command!r}; valid commands: {', '.join(COMMANDS)}")
+    module_name, function = COMMANDS[command]
+    entry = getattr(importlib.import_module(module_name), function)
+    # LightningCLI parses its own subcommand, so it gets the whole argv.
+    return entry(args if command in LIGHTNING_SUBCOMMANDS else args[1:])

@@ -1,0 +1,296 @@
+"""The building blocks of XCiT (El-Nouby et al., 2021) and CaiT's class attention (Touvron et al., 2021).
+
+Module and parameter names follow timm's ``xcit`` so that its state dicts load with ``strict=True``.
+Two places depart from timm's arithmetic (not from its results) for speed and memory on long token sequences;
+``benchmarks/bench_xcit.py`` measures both against timm:
+
+* :class:`XCA` never materialises L2-normalised copies of q and k. It forms the raw d x d Gram matrix and divides by
+  the outer product of the per-channel token norms. When there are more tokens than channels it also folds the
+  block-diagonal attention into the output projection, so the N x C tensor ``attn @ v`` and its permuted copy
+  are never built.
+* :class:`LPI` runs its depthwise convolutions on a channels-last view of the token tensor, so the (B, N, C) <->
+  (B, C, H, W) round trip costs no copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from timm.layers import DropPath, Mlp
+from torch import Tensor, nn
+
+
+class PositionalEncodingFourier(nn.Module):
+    """2-D sinusoidal encoding: 16 frequencies x (sin, cos) per axis -> 64 dims, projected to ``dim``.
+
+    The encoding is computed for every input grid, so any resolution works without interpolation. It does not
+    depend on the batch, so it is built once per call and broadcast over the batch.
+    """
+
+    def __init__(self, hidden_dim: int = 32, dim: int = 768, temperature: float = 10000.0) -> None:
+        super().__init__()
+        self.token_projection = nn.Conv2d(hidden_dim * 2, dim, kernel_size=1)
+        self.scale = 2 * math.pi
+        self.temperature = temperature
+        self.hidden_dim = hidden_dim
+        self.dim = dim
+        self.eps = 1e-6
+
+    def fourier_features(self, height: int, width: int, device: torch.device) -> Tensor:
+        """(H*W, 2*hidden_dim) features: y encoding then x encoding, sin/cos interleaved, in float32."""
+        y = torch.arange(1, height + 1, dtype=torch.float32, device=device)
+        x = torch.arange(1, width + 1, dtype=torch.float32, device=device)
+        y = y / (y[-1] + self.eps) * self.scale
+        x = x / (x[-1] + self.eps) * self.scale
+        channel = torch.arange(self.hidden_dim, dtype=torch.float32, device=device)
+        freq = self.temperature ** (2 * torch.div(channel, 2, rounding_mode="floor") / self.hidden_dim)
+
+        def encode(coord: Tensor) -> Tensor:
+            angles = coord[:, None] / freq  # (L, hidden)
+            return torch.stack((angles[:, 0::2].sin(), angles[:, 1::2].cos()), dim=2).flatten(1)
+
+        pos_y = encode(y)[:, None, :].expand(height, width, self.hidden_dim)
+        pos_x = encode(x)[None, :, :].expand(height, width, self.hidden_dim)
+        return torch.cat((pos_y, pos_x), dim=2).reshape(height * width, 2 * self.hidden_dim)
+
+    def forward(self, height: int, width: int) -> Tensor:
+        """Return the (1, H*W, dim) encoding in the projection's dtype."""
+        weight = self.token_projection.weight
+        feats = self.fourier_features(height, width, weight.device).to(weight.dtype)
+        # A 1x1 convolution over the grid is a linear map over the channel axis.
+        pos = F.linear(feats, weight.flatten(1), self.token_projection.bias)
+        return pos.unsqueeze(0)
+
+
+def conv3x3_bn(in_planes: int, out_planes: int, stride: int = 1) -> nn.Sequential:
+    """3x3 convolution without bias followed by BatchNorm (the patch-embedding unit)."""
+    return nn.Sequential(
+        nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False),
+        nn.BatchNorm2d(out_planes),
+    )
+
+
+class ConvPatchEmbed(nn.Module):
+    """Patch embedding by a stack of stride-2 3x3 conv + BN layers (4 for patch 16, 3 for patch 8)."""
+
+    def __init__(self, patch_size: int = 16, in_chans: int = 3, embed_dim: int = 768) -> None:
+        super().__init__()
+        if patch_size == 16:
+            widths = [embed_dim // 8, embed_dim // 4, embed_dim // 2, embed_dim]
+        elif patch_size == 8:
+            widths = [embed_dim // 4, embed_dim // 2, embed_dim]
+        else:
+            raise ValueError(f"XCiT's convolutional patch embedding supports patch sizes 8 and 16, got {patch_size}")
+        layers: list[nn.Module] = []
+        previous = in_chans
+        for i, width in enumerate(widths):
+            if i > 0:
+                layers.append(nn.GELU())
+            layers.append(conv3x3_bn(previous, width, stride=2))
+            previous = width
+        self.proj = nn.Sequential(*layers)
+        self.patch_size = patch_size
+
+    def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        x = self.proj(x)
+        height, width = x.shape[-2:]
+        return x.flatten(2).transpose(1, 2), (height, width)
+
+
+class LPI(nn.Module):
+    """Local patch interaction: depthwise 3x3 conv -> GELU -> BatchNorm -> depthwise 3x3 conv."""
+
+    def __init__(self, in_features: int, kernel_size: int = 3) -> None:
+        super().__init__()
+        padding = kernel_size // 2
+        self.conv1 = nn.Conv2d(in_features, in_features, kernel_size, padding=padding, groups=in_features)
+        self.act = nn.GELU()
+        self.bn = nn.BatchNorm2d(in_features)
+        self.conv2 = nn.Conv2d(in_features, in_features, kernel_size, padding=padding, groups=in_features)
+
+    def forward(self, x: Tensor, height: int, width: int) -> Tensor:
+        batch, tokens, channels = x.shape
+        # (B, N, C) viewed as (B, H, W, C) and permuted is a channels-last NCHW tensor: no copy.
+        x = x.reshape(batch, height, width, channels).permute(0, 3, 1, 2)
+        x = self.conv2(self.bn(self.act(self.conv1(x))))
+        return x.permute(0, 2, 3, 1).reshape(batch, tokens, channels)
+
+
+class XCA(nn.Module):
+    """Cross-covariance attention: a d x d softmax attention over channels within each head.
+
+    q and k are L2-normalised along the token axis, so each attention logit is a cosine similarity between two
+    channels, scaled by a learnable per-head temperature. Cost and memory are linear in the number of tokens.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"embed dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.temperature = nn.Parameter(torch.ones(num_heads, 1, 1))
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def attention(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Return the (B, h, d, d) attention after softmax and v as (B, N, h, d)."""
+        batch, tokens, channels = x.shape
+        head_dim = channels // self.num_heads
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, head_dim)
+        q, k, v = qkv.unbind(2)  # each (B, N, h, d), strided views
+        q = q.permute(0, 2, 3, 1)  # (B, h, d, N)
+        k = k.permute(0, 2, 1, 3)  # (B, h, N, d)
+        gram = q @ k  # (B, h, d, d) raw channel cross-covariance
+        # cos(q_i, k_j) = q_i.k_j / (|q_i| |k_j|), with F.normalize's eps on each norm.
+        q_norm = torch.linalg.vector_norm(q, dim=-1).clamp_min(1e-12)  # (B, h, d)
+        k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(1e-12)  # (B, h, d)
+        logits = gram / (q_norm.unsqueeze(-1) * k_norm.unsqueeze(-2)) * self.temperature
+        return self.attn_drop(logits.softmax(dim=-1)), v
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, tokens, channels = x.shape
+        attn, v = self.attention(x)
+        head_dim = channels // self.num_heads
+        if tokens > channels:
+            # out[n, h*d + i] = sum_j attn[h, i, j] v[n, h*d + j], then proj. Both steps are linear in v, so one
+            # (C x C) matrix per image does both: it costs C*C*d instead of N*C*d multiply-adds and skips the
+            # N x C intermediate and its permuted copy, which pays off once N > C (high resolutions).
+            proj_w = self.proj.weight.reshape(channels, self.num_heads, head_dim)  # (C_out, h, d_i)
+            fused = torch.einsum("ohi,bhij->bhjo", proj_w, attn).reshape(batch, channels, channels)
+            out = torch.baddbmm(self.proj.bias.expand(batch, 1, channels), v.reshape(batch, tokens, channels), fused)
+        else:
+            out = v.permute(0, 2, 1, 3) @ attn.transpose(-2, -1)  # (B, h, N, d)
+            out = self.proj(out.transpose(1, 2).reshape(batch, tokens, channels))
+        return self.proj_drop(out)
+
+
+class ClassAttention(nn.Module):
+    """CaiT class attention: only the CLS token queries; keys and values come from every token."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.k = nn.Linear(dim, dim, bias=qkv_bias)
+        self.v = nn.Linear(dim, dim, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Return the new CLS token (B, 1, C) and, if asked, the (B, h, N+1) attention of CLS over all tokens."""
+        batch, tokens, channels = x.shape
+        q = self.q(x[:, 0]).reshape(batch, self.num_heads, 1, self.head_dim)
+        k = self.k(x).reshape(batch, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).reshape(batch, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        attn = None
+        if return_attention or (self.training and self.attn_drop.p > 0):
+            attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, h, 1, N)
+            cls = self.attn_drop(attn) @ v
+            attn = attn.squeeze(2)
+        else:
+            cls = F.scaled_dot_product_attention(q, k, v)
+        cls = self.proj(cls.transpose(1, 2).reshape(batch, 1, channels))
+        return self.proj_drop(cls), attn
+
+
+class XCABlock(nn.Module):
+    """x + g1*XCA(LN(x)); x + g3*LPI(LN(x)); x + g2*MLP(LN(x)), each branch with LayerScale and drop path.
+
+    The gammas are numbered 1, 3, 2 in execution order for weight compatibility with the official code.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        eta: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = XCA(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm3 = nn.LayerNorm(dim, eps=1e-6)
+        self.local_mp = LPI(in_features=dim)
+        self.drop_path3 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), drop=proj_drop)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.gamma1 = nn.Parameter(eta * torch.ones(dim))
+        self.gamma3 = nn.Parameter(eta * torch.ones(dim))
+        self.gamma2 = nn.Parameter(eta * torch.ones(dim))
+
+    def forward(self, x: Tensor, height: int, width: int) -> Tensor:
+        x = x + self.drop_path1(self.gamma1 * self.attn(self.norm1(x)))
+        x = x + self.drop_path3(self.gamma3 * self.local_mp(self.norm3(x), height, width))
+        x = x + self.drop_path2(self.gamma2 * self.mlp(self.norm2(x)))
+        return x
+
+
+class ClassAttentionBlock(nn.Module):
+    """CaiT-style class-attention block as XCiT uses it.
+
+    As in the reference implementation, the patch tokens are also updated: they receive ``gamma1 * LN1(x)`` and
+    are then doubled by the final residual. This is kept deliberately for weight compatibility (timm PR #747).
+    ``tokens_norm`` applies ``norm2`` to every token instead of the CLS token only.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = False,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        eta: float = 1.0,
+        tokens_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = ClassAttention(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), drop=proj_drop)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.gamma1 = nn.Parameter(eta * torch.ones(dim))
+        self.gamma2 = nn.Parameter(eta * torch.ones(dim))
+        self.tokens_norm = tokens_norm
+
+    def forward(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, Tensor | None]:
+        x_norm1 = self.norm1(x)
+        cls, attn = self.attn(x_norm1, return_attention=return_attention)
+        x = x + self.drop_path1(self.gamma1 * torch.cat((cls, x_norm1[:, 1:]), dim=1))
+        if self.tokens_norm:
+            x = self.norm2(x)
+        else:
+            x = torch.cat((self.norm2(x[:, 0:1]), x[:, 1:]), dim=1)
+        cls = self.gamma2 * self.mlp(x[:, 0:1])
+        x = x + self.drop_path2(torch.cat((cls, x[:, 1:]), dim=1))
+        return x, attn

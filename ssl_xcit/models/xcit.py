@@ -1,0 +1,213 @@
+"""XCiT: cross-covariance image transformer (El-Nouby et al., NeurIPS 2021).
+
+Data path: convolutional patch embedding -> + Fourier positional encoding -> XCA blocks (patch tokens only) ->
+prepend CLS -> two class-attention blocks -> LayerNorm -> CLS embedding (-> optional linear head).
+
+Besides the CLS embedding the model exposes what evaluation needs: the patch tokens before class attention
+(``forward_patch_tokens``, for VLAD/ASMK), outputs of chosen XCA blocks (``get_intermediate_layers``), CLS
+embeddings computed from earlier blocks (``get_intermediate_cls``, for linear probes), and the class-attention
+maps per head (``get_class_attention``, for visualisation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from timm.layers import trunc_normal_
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from ssl_xcit.models.layers import ClassAttentionBlock, ConvPatchEmbed, PositionalEncodingFourier, XCABlock
+
+
+class XCiT(nn.Module):
+    """Cross-covariance image transformer with timm-compatible parameter names.
+
+    Args:
+        patch_size: 16 or 8; inputs must have sides that are multiples of it.
+        in_chans: input channels.
+        num_classes: size of the linear head; 0 (the default for self-supervised use) makes ``forward`` return the
+            CLS embedding.
+        embed_dim, depth, num_heads, mlp_ratio, qkv_bias: transformer shape.
+        drop_rate: dropout before the head and inside the class-attention blocks.
+        pos_drop_rate, proj_drop_rate, attn_drop_rate: dropout after the positional encoding, on projections of the
+            XCA blocks, and on the attention matrices.
+        drop_path_rate: stochastic-depth rate, the same for every XCA block (as in the paper's code); the
+            class-attention blocks get none.
+        cls_attn_layers: number of class-attention blocks.
+        use_pos_embed: add the 2-D Fourier positional encoding.
+        eta: LayerScale initial value (paper Table B.1: 1.0 for 12-layer models, 1e-5 for 24-layer ones).
+        tokens_norm: normalise every token (not only CLS) inside the class-attention blocks.
+        name: registry name, kept for error messages and checkpoint metadata.
+    """
+
+    def __init__(
+        self,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 0,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        cls_attn_layers: int = 2,
+        use_pos_embed: bool = True,
+        eta: float = 1.0,
+        tokens_norm: bool = False,
+        name: str = "xcit",
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.num_classes = num_classes
+        self.num_features = self.embed_dim = embed_dim
+        self.patch_size = patch_size
+        self.depth = depth
+        self.num_heads = num_heads
+        self.grad_checkpointing = False
+
+        self.patch_embed = ConvPatchEmbed(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = PositionalEncodingFourier(dim=embed_dim) if use_pos_embed else None
+        self.pos_drop = nn.Dropout(pos_drop_rate)
+        self.blocks = nn.ModuleList(
+            XCABlock(
+                embed_dim,
+                num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                proj_drop=proj_drop_rate,
+                attn_drop=attn_drop_rate,
+                drop_path=drop_path_rate,
+                eta=eta,
+            )
+            for _ in range(depth)
+        )
+        self.cls_attn_blocks = nn.ModuleList(
+            ClassAttentionBlock(
+                embed_dim,
+                num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                proj_drop=drop_rate,
+                attn_drop=attn_drop_rate,
+                eta=eta,
+                tokens_norm=tokens_norm,
+            )
+            for _ in range(cls_attn_layers)
+        )
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+        trunc_normal_(self.cls_token, std=0.02)
+        self.apply(_init_weights)
+
+    # ----------------------------------------------------------------- utilities
+    def check_input(self, x: Tensor) -> None:
+        """Raise a ValueError naming the size and the patch when the input cannot be tiled by patches."""
+        if x.ndim != 4:
+            raise ValueError(f"{self.name} expects a (B, C, H, W) image batch, got a tensor of shape {tuple(x.shape)}")
+        height, width = x.shape[-2:]
+        p = self.patch_size
+        if height % p or width % p or height == 0 or width == 0:
+            hint = f"{max(p, round(height / p) * p)}x{max(p, round(width / p) * p)}"
+            raise ValueError(
+                f"input size {height}x{width} is not a multiple of the patch size {p} of {self.name}; "
+                f"both sides must be positive multiples of {p} (e.g. {hint})"
+            )
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute XCA block activations in the backward pass: less memory for high resolutions."""
+        self.grad_checkpointing = enable
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "cls_token"}
+
+    # ------------------------------------------------------------------ forward
+    def _embed(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        self.check_input(x)
+        x, (height, width) = self.patch_embed(x)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(height, width).to(x.dtype)
+        return self.pos_drop(x), (height, width)
+
+    def _run_block(self, block: XCABlock, x: Tensor, height: int, width: int) -> Tensor:
+        if self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting():
+            return checkpoint(block, x, height, width, use_reentrant=False)
+        return block(x, height, width)
+
+    def _class_attention(self, x: Tensor, return_attention: bool = False) -> tuple[Tensor, list[Tensor]]:
+        """Prepend CLS to the patch tokens, run the class-attention blocks and the final norm."""
+        x = torch.cat((self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x), dim=1)
+        maps = []
+        for block in self.cls_attn_blocks:
+            x, attn = block(x, return_attention=return_attention)
+            if attn is not None:
+                maps.append(attn)
+        return self.norm(x), maps
+
+    def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """Patch tokens (B, N, C) after the last XCA block, before class attention, and the grid (Hp, Wp)."""
+        x, (height, width) = self._embed(x)
+        for block in self.blocks:
+            x = self._run_block(block, x, height, width)
+        return x, (height, width)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """All tokens (B, 1 + N, C) after class attention and the final norm; token 0 is CLS."""
+        x, _ = self.forward_patch_tokens(x)
+        return self._class_attention(x)[0]
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = self.head_drop(x[:, 0])
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """CLS embedding (B, C) when ``num_classes == 0``, class logits otherwise."""
+        return self.forward_head(self.forward_features(x))
+
+    # -------------------------------------------------------- evaluation access
+    def _block_indices(self, n: int | Sequence[int]) -> list[int]:
+        indices = list(range(self.depth - n, self.depth)) if isinstance(n, int) else [int(i) for i in n]
+        bad = [i for i in indices if not -self.depth <= i < self.depth]
+        if bad or not indices:
+            raise ValueError(f"block indices {bad or indices} are out of range for {self.name} with {self.depth} blocks")
+        return sorted(i % self.depth for i in indices)
+
+    def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Patch tokens (B, N, C) output by the chosen XCA blocks: the last ``n`` if an int, else those indices."""
+        wanted = self._block_indices(n)
+        x, (height, width) = self._embed(x)
+        outputs = []
+        for i, block in enumerate(self.blocks[: wanted[-1] + 1]):
+            x = self._run_block(block, x, height, width)
+            if i in wanted:
+                outputs.append(x)
+        return outputs
+
+    def get_intermediate_cls(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """CLS embeddings (B, C) obtained by running class attention + norm on the output of each chosen block.
+
+        For the last block this equals ``forward`` of a headless model. Used for ViT-style "CLS of the last n
+        blocks" linear probes.
+        """
+        return [self._class_attention(tokens)[0][:, 0] for tokens in self.get_intermediate_layers(x, n)]
+
+    def get_class_attention(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
+        """Attention of the CLS query over [CLS, patches] per class-attention block: (B, heads, 1 + N) each."""
+        tokens, grid = self.forward_patch_tokens(x)
+        return self._class_attention(tokens, return_attention=True)[1], grid
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)

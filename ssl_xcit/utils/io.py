@@ -1,0 +1,73 @@
+"""Atomic file writes and content hashes.
+
+Every checkpoint, cache and result file goes through :func:`atomic_write`: the bytes land in a temporary file
+in the same folder, are flushed to disk, then renamed over the target. A rename within one file system is
+atomic, so a run killed mid-write leaves either the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary file next to ``path``; on a clean exit it replaces ``path``, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save`` that never leaves a truncated file behind."""
+    with atomic_write(path, "wb") as handle:
+        torch.save(obj, handle)
+    return Path(path)
+
+
+def atomic_write_json(obj: Any, path: str | os.PathLike, indent: int = 2) -> Path:
+    """Write ``obj`` as JSON atomically."""
+    with atomic_write(path, "w") as handle:
+        json.dump(obj, handle, indent=indent, sort_keys=True, default=str)
+        handle.write("\n")
+    return Path(path)
+
+
+def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's content (used to key caches on a checkpoint)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(chunk_size), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Stable hash of a JSON-serialisable description (sorted keys)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def call_atomically(writer: Callable[[IO[bytes]], None], path: str | os.PathLike) -> Path:
+    """Run ``writer(handle)`` on a temporary file and move it onto ``path`` only if it succeeds."""
+    with atomic_write(path, "wb") as handle:
+        writer(handle)
+    return Path(path)
