@@ -38,7 +38,7 @@ def _usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> object:
-    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a command; returns what the command returns."""
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a command and return its result (for in-process use)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
@@ -52,3 +52,11 @@ def main(argv: Sequence[str] | None = None) -> object:
     entry = getattr(importlib.import_module(module_name), function)
     # LightningCLI parses its own subcommand, so it gets the whole argv.
     return entry(args if command in LIGHTNING_SUBCOMMANDS else args[1:])
+
+
+def console_main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point: like :func:`main`, but returns nothing, so the exit status is 0 on success.
+
+    (Console-script wrappers call ``sys.exit(entry())``; a returned results dict would be printed as an error.)
+    """
+    main(argv)

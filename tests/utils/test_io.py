@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssl_xcit.utils.io import atomic_torch_save, atomic_write, atomic_write_json, sha256_file, sha256_json
+
+
+def test_failed_write_keeps_the_old_file(tmp_path):
+    target = tmp_path / "ckpt.pt"
+    atomic_torch_save({"step": 1}, target)
+    with pytest.raises(RuntimeError, match="killed"):
+        with atomic_write(target) as handle:
+            handle.write(b"half a checkpoint")
+            raise RuntimeError("killed mid-write")
+    assert torch.load(target) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left behind
+
+
+def test_json_and_hashes(tmp_path):
+    path = atomic_write_json({"b": 1, "a": [1, 2]}, tmp_path / "sub" / "r.json")
+    assert path.read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
+    assert sha256_file(path) == sha256_file(path)
+    (tmp_path / "x").write_bytes(b"abc")
+    assert sha256_file(tmp_path / "x") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert sha256_json({"a": 1, "b": 2}) == sha256_json({"b": 2, "a": 1})
