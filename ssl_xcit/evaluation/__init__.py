@@ -1,0 +1,12 @@
+"""Frozen-feature evaluation: weighted k-NN (DINO protocol), linear probe, and the feature cache they share.
+
+``knn`` and ``cache`` import only torch/numpy; ``features`` and ``linear`` pull in Lightning and are imported on
+use (``from ssl_xcit.evaluation.features import extract_features``).
+"""
+
+from __future__ import annotations
+
+from ssl_xcit.evaluation.cache import load_cached, save_cached
+from ssl_xcit.evaluation.knn import DEFAULT_KS, DEFAULT_TEMPERATURE, knn_accuracy, weighted_knn
+
+__all__ = ["DEFAULT_KS", "DEFAULT_TEMPERATURE", "knn_accuracy", "weighted_knn", "load_cached", "save_cached"]

@@ -1,0 +1,123 @@
+"""On-disk cache of extracted features, keyed on everything that determines them.
+
+A cache entry is one file ``<cache_dir>/<name>-<sha256(meta)[:16]>.pt`` holding ``{"meta": meta, "tensors": ...}``.
+``meta`` is a JSON-able description of the inputs (checkpoint sha256, model name, transform, dataset file list
+fingerprint, feature type). Because the file name hashes ``meta`` AND the stored ``meta`` is compared in full on
+load, a change in any input looks up a different file: a stale entry can never be served. Entries are written
+atomically (temporary file + rename), so a killed run leaves no half-written cache.
+
+Old entries for the same ``name`` are kept (switching back to a previous checkpoint is then instant again);
+delete the folder to reclaim space.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ssl_xcit.utils.io import atomic_torch_save, sha256_file, sha256_json
+
+__all__ = [
+    "CACHE_FORMAT",
+    "default_cache_dir",
+    "cache_path",
+    "load_cached",
+    "save_cached",
+    "files_fingerprint",
+    "checkpoint_fingerprint",
+]
+
+# Bumped when the layout of cache files or the meaning of a field changes, so old files are not reused.
+CACHE_FORMAT = 1
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def default_cache_dir() -> Path:
+    """``$SSL_XCIT_CACHE/features`` or ``~/.cache/ssl_xcit/features``."""
+    root = os.environ.get("SSL_XCIT_CACHE") or Path.home() / ".cache" / "ssl_xcit"
+    return Path(root) / "features"
+
+
+def _normalise_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    # A JSON round trip makes tuples lists and Paths strings, so the comparison on load is exact.
+    return json.loads(json.dumps({**meta, "cache_format": CACHE_FORMAT}, sort_keys=True, default=str))
+
+
+def cache_path(cache_dir: str | os.PathLike, name: str, meta: Mapping[str, Any]) -> Path:
+    """The file that holds (or will hold) the entry ``name`` for ``meta``."""
+    safe = _SAFE.sub("_", name).strip("_") or "features"
+    return Path(cache_dir) / f"{safe}-{sha256_json(_normalise_meta(meta))[:16]}.pt"
+
+
+def load_cached(cache_dir: str | os.PathLike, name: str, meta: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+    """The cached tensors for exactly this ``meta``, or None (missing, different meta, or unreadable)."""
+    path = cache_path(cache_dir, name, meta)
+    if not path.is_file():
+        return None
+    try:
+        entry = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated/foreign file is a cache miss, never a crash
+        warnings.warn(f"ignoring unreadable feature cache {path}: {err}", stacklevel=2)
+        return None
+    if not isinstance(entry, dict) or entry.get("meta") != _normalise_meta(meta):
+        return None
+    return dict(entry["tensors"])
+
+
+def save_cached(
+    cache_dir: str | os.PathLike, name: str, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> Path:
+    """Store ``tensors`` under ``name`` for ``meta`` (atomic write); returns the file written."""
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"cache entry {key!r} must be a tensor, got {type(value).__name__}")
+    path = cache_path(cache_dir, name, meta)
+    entry = {
+        "meta": _normalise_meta(meta),
+        "tensors": {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+    }
+    return atomic_torch_save(entry, path)
+
+
+def files_fingerprint(paths: Iterable[str | os.PathLike], labels: Iterable[int] | None = None) -> str:
+    """Hash of a dataset's file list: path, size and mtime of every file (and its label when given).
+
+    Cheap (one ``stat`` per file, no reads), and any added, removed, renamed, relabelled or rewritten file
+    changes it. Missing files hash as size -1 so the hash is defined; the data loader reports them.
+    """
+    entries = []
+    label_list = list(labels) if labels is not None else None
+    for i, p in enumerate(paths):
+        p = os.fspath(p)
+        try:
+            st = os.stat(p)
+            stat = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            stat = (-1, -1)
+        entries.append([os.path.abspath(p), *stat, label_list[i] if label_list is not None else None])
+    return sha256_json(entries)
+
+
+# (path, size, mtime_ns) -> sha256: hashing a 1 GB checkpoint takes seconds, so do it once per process.
+_CKPT_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def checkpoint_fingerprint(weights: str | os.PathLike | None) -> str | None:
+    """sha256 of the checkpoint's bytes (None for a random-init backbone)."""
+    if weights is None:
+        return None
+    path = Path(weights)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file not found: {path}")
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _CKPT_HASHES:
+        _CKPT_HASHES[key] = sha256_file(path)
+    return _CKPT_HASHES[key]
