@@ -1,0 +1,310 @@
+"""``DINODataModule``: multi-crop training batches, plus the labelled sets the online k-NN callback needs.
+
+A training batch is ``[crops, labels, indices]``: ``crops`` is a list of ``2 + local_crops_number`` float
+tensors, the two global crops (B, 3, G, G) first, then the local ones (B, 3, L, L); ``labels`` is -1 for
+unlabelled data. Items whose file cannot be decoded are dropped from their batch (so a batch can be smaller
+than ``batch_size``; ``None`` if every item failed). The number of skipped files is available as
+``num_skipped`` (it counts files flagged by any DataLoader worker, see ``ssl_xcit.data.datasets``) and is
+logged as ``data/skipped_images`` by the ``SkippedImagesLogger`` callback and summarised at ``teardown``.
+
+Distributed sampling is Lightning's: ``train_dataloader`` sets ``shuffle=True`` and no sampler, and Lightning
+swaps in a ``DistributedSampler`` under DDP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+
+from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none
+from ssl_xcit.data.splits import stratified_split
+from ssl_xcit.data.synthetic import ensure_synthetic_dataset
+from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
+
+
+class DINODataModule(L.LightningDataModule):
+    """Images for DINO pretraining, from a folder, an ImageFolder tree or a list file (or the built-in set).
+
+    Args:
+        root: Training images: an ImageFolder tree (class subfolders give labels), any folder of images (searched
+            recursively, unlabelled) or a .txt file listing image paths (optional label column). None uses the
+            built-in synthetic shapes (train split), generated on first use with no download.
+        val_root: Labelled images for the online k-NN monitor (queries; the bank is the labelled training set).
+            With the built-in data it defaults to the synthetic val split.
+        val_fraction: If > 0 and ``root`` is labelled, hold out this fraction of every class (deterministic
+            stratified split) as the k-NN query set; those images are then not trained on.
+        split_seed: Seed of the ``val_fraction`` split (and of the ``knn_bank_limit`` subsample).
+        labelled: None detects labels from the layout; False ignores them (e.g. ImageFolder of unrelated
+            groups); True requires them.
+        batch_size: Images per device per step (DINO: 64 per GPU, the LR scales with the total batch / 256).
+        num_workers: DataLoader worker processes per device (DINO: 10). Decoding + 10 crops per image is
+            CPU-heavy: see ``benchmarks/bench_dataloading.py`` for images/s per worker.
+        pin_memory: Page-locked host batches for faster GPU copies (ignored without CUDA).
+        persistent_workers: Keep workers alive across epochs (only with num_workers > 0); saves their start-up.
+        global_crops_size: Side of the 2 global crops (DINO: 224).
+        global_crops_scale: Area range of the global crops (DINO: (0.4, 1); its XCiT configs used (0.3, 1)).
+        local_crops_number: Number of local crops (DINO: 8; 0 disables multi-crop).
+        local_crops_size: Side of the local crops (DINO: 96).
+        local_crops_scale: Area range of the local crops (DINO: (0.05, 0.4)).
+        global_blur_probs: Gaussian-blur probability of global crops 1 and 2 (DINO: 1.0 and 0.1).
+        local_blur_prob: Gaussian-blur probability of each local crop (DINO: 0.5).
+        global_solarize_probs: Solarize probability of global crops 1 and 2 (DINO: 0 and 0.2).
+        local_solarize_prob: Solarize probability of each local crop (DINO: 0).
+        eval_resize: Short side the k-NN images are resized to (DINO eval: 256).
+        eval_crop: Center crop of the k-NN images (DINO eval: 224; keep it a multiple of the patch size).
+        verify_images: Decode every training image at setup to find unreadable files before training (seconds
+            for thousands of images; leave off for ImageNet, where they are found lazily in the first epoch).
+        knn_bank_limit: Keep at most this many bank images (deterministic stratified subsample) so the online
+            k-NN stays cheap on large labelled sets; None keeps all.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        val_root: str | None = None,
+        val_fraction: float = 0.0,
+        split_seed: int = 0,
+        labelled: bool | None = None,
+        batch_size: int = 64,
+        num_workers: int = 8,
+        pin_memory: bool = True,
+        persistent_workers: bool = True,
+        global_crops_size: int = 224,
+        global_crops_scale: tuple[float, float] = (0.4, 1.0),
+        local_crops_number: int = 8,
+        local_crops_size: int = 96,
+        local_crops_scale: tuple[float, float] = (0.05, 0.4),
+        global_blur_probs: tuple[float, float] = (1.0, 0.1),
+        local_blur_prob: float = 0.5,
+        global_solarize_probs: tuple[float, float] = (0.0, 0.2),
+        local_solarize_prob: float = 0.0,
+        eval_resize: int = 256,
+        eval_crop: int = 224,
+        verify_images: bool = False,
+        knn_bank_limit: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        # Fail at construction (before a Trainer exists) on anything checkable without reading the data.
+        for name, path in (("root", root), ("val_root", val_root)):
+            if path is not None and not Path(path).expanduser().exists():
+                raise FileNotFoundError(
+                    f"data.{name} {path} does not exist; expected an image folder, an ImageFolder tree or a .txt "
+                    "list file"
+                    + (" (omit data.root to use the built-in synthetic dataset)" if name == "root" else "")
+                )
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+        if val_fraction > 0 and val_root is not None:
+            raise ValueError("give either val_root or val_fraction > 0 for the k-NN val set, not both")
+        if batch_size < 1 or num_workers < 0:
+            raise ValueError(f"need batch_size >= 1 and num_workers >= 0, got {batch_size} and {num_workers}")
+        if knn_bank_limit is not None and knn_bank_limit < 1:
+            raise ValueError(f"knn_bank_limit must be >= 1 or None, got {knn_bank_limit!r}")
+        self.train_transform = MultiCropTransform(
+            global_crops_size=global_crops_size,
+            global_crops_scale=global_crops_scale,
+            local_crops_number=local_crops_number,
+            local_crops_size=local_crops_size,
+            local_crops_scale=local_crops_scale,
+            global_blur_probs=global_blur_probs,
+            local_blur_prob=local_blur_prob,
+            global_solarize_probs=global_solarize_probs,
+            local_solarize_prob=local_solarize_prob,
+        )
+        self.eval_transform = eval_transform(eval_resize, eval_crop)
+        self.train_dataset: ImageDataset | None = None
+        self.val_dataset: ImageDataset | None = None  # labelled k-NN queries (no transform), or None
+        self.knn_unavailable_reason: str | None = None
+        self._knn: tuple[ImageDataset, ImageDataset] | None = None
+
+    @property
+    def num_crops(self) -> int:
+        return self.train_transform.num_crops
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def prepare_data(self) -> None:
+        # Runs once per node before setup(): generate the built-in set here so ranks do not race for it.
+        if self.hparams.root is None:
+            ensure_synthetic_dataset()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        hp = self.hparams
+        val_root = hp.val_root
+        if hp.root is None:
+            synthetic = ensure_synthetic_dataset()
+            train_root = synthetic / "train"
+            if val_root is None and hp.val_fraction == 0:
+                val_root = str(synthetic / "val")
+        else:
+            train_root = Path(hp.root).expanduser()
+        full = build_dataset(train_root, labelled=hp.labelled)
+        train_samples = full.samples
+        val_set: ImageDataset | None = None
+        if hp.val_fraction > 0:
+            if not full.labelled:
+                raise ValueError(
+                    f"val_fraction={hp.val_fraction} needs a labelled root (ImageFolder tree or list file with "
+                    f"labels), but {train_root} is unlabelled; give a labelled val_root instead"
+                )
+            train_samples, held_out = stratified_split(full.samples, hp.val_fraction, hp.split_seed)
+            val_set = ImageDataset(held_out, full.classes)
+        elif val_root is not None:
+            val_set = build_dataset(val_root)
+        self.train_dataset = ImageDataset(train_samples, full.classes, self.train_transform)
+        self._check_batches(train_root)
+        self.val_dataset = self._aligned_val(val_set, full.classes, val_root)
+        if hp.verify_images:
+            bad = self.train_dataset.verify()
+            rank_zero_info(
+                f"verify_images: {bad} of {len(self.train_dataset)} training images are unreadable"
+            )
+        kind = f"{len(full.classes)} classes" if full.labelled else "unlabelled"
+        knn = (
+            f"k-NN monitor: {len(self.val_dataset)} labelled queries"
+            if self.val_dataset is not None
+            else f"k-NN monitor off: {self.knn_unavailable_reason}"
+        )
+        rank_zero_info(
+            f"DINO data: {len(self.train_dataset)} training images ({kind}) from {train_root}; {knn}"
+        )
+
+    def _check_batches(self, train_root: Path) -> None:
+        world = self.trainer.world_size if self.trainer is not None else 1
+        per_rank = len(self.train_dataset) // max(world, 1)
+        if per_rank < self.hparams.batch_size:
+            raise ValueError(
+                f"{train_root} has {len(self.train_dataset)} training images ({per_rank} per device on {world}), "
+                f"fewer than batch_size={self.hparams.batch_size}: with drop_last no full batch would be left; "
+                "lower data.batch_size"
+            )
+
+    def _aligned_val(
+        self, val_set: ImageDataset | None, classes: list[str] | None, val_root: str | None
+    ) -> ImageDataset | None:
+        """The val set relabelled with the training classes, or None with ``knn_unavailable_reason`` set."""
+        if classes is None:
+            self.knn_unavailable_reason = (
+                "the training data has no labels (the k-NN bank needs them): use an ImageFolder tree or a list "
+                "file with a label column"
+            )
+            return None
+        if val_set is None:
+            self.knn_unavailable_reason = "no labelled val set: set data.val_root or data.val_fraction > 0"
+            return None
+        if val_set.classes is None:
+            self.knn_unavailable_reason = f"val_root {val_root} has no labels (it is not an ImageFolder tree)"
+            return None
+        index = {name: i for i, name in enumerate(classes)}
+        unknown = sorted(set(val_set.classes) - set(index))
+        if unknown:
+            raise ValueError(
+                f"val_root {val_root} has classes absent from the training data: {unknown[:10]}; "
+                f"training classes: {classes[:10]}{'...' if len(classes) > 10 else ''}"
+            )
+        samples = [(p, index[val_set.classes[y]]) for p, y in val_set.samples]
+        self.knn_unavailable_reason = None
+        return ImageDataset(samples, classes)
+
+    # ---------------------------------------------------------------------------------------------- loaders
+    def _loader(
+        self,
+        dataset: ImageDataset,
+        batch_size: int,
+        train: bool,
+        num_workers: int | None = None,
+        persistent_workers: bool | None = None,
+    ) -> DataLoader:
+        workers = self.hparams.num_workers if num_workers is None else num_workers
+        persistent = self.hparams.persistent_workers if persistent_workers is None else persistent_workers
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=train,
+            drop_last=train,
+            num_workers=workers,
+            pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
+            persistent_workers=persistent and workers > 0,
+            collate_fn=collate_skip_none,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled multi-crop batches, ``drop_last=True`` (DINO's centre and BN want full batches)."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        return self._loader(self.train_dataset, self.hparams.batch_size, train=True)
+
+    def knn_datasets(self) -> tuple[ImageDataset, ImageDataset] | None:
+        """``(bank, queries)`` with the eval transform, or None (see ``knn_unavailable_reason``) without labels.
+
+        The bank is the labelled training images (minus a held-out ``val_fraction``, limited to
+        ``knn_bank_limit``); the queries are the val set. Both share the training class list.
+        """
+        if self.train_dataset is None:
+            self.setup("validate")
+        if self.val_dataset is None:
+            return None
+        if self._knn is None:
+            bank_samples = self.train_dataset.samples
+            limit = self.hparams.knn_bank_limit
+            if limit is not None and limit < len(bank_samples):
+                _, bank_samples = stratified_split(
+                    bank_samples, limit / len(bank_samples), self.hparams.split_seed
+                )
+            classes = self.train_dataset.classes
+            self._knn = (
+                ImageDataset(bank_samples, classes, self.eval_transform),
+                ImageDataset(self.val_dataset.samples, classes, self.eval_transform),
+            )
+        return self._knn
+
+    def eval_dataloader(
+        self,
+        dataset: ImageDataset,
+        batch_size: int | None = None,
+        num_workers: int | None = None,
+        persistent_workers: bool = False,
+    ) -> DataLoader:
+        """An ordered, complete loader (no shuffle, no drop_last) for feature extraction, e.g. the k-NN sets.
+
+        Workers are not persistent by default: a loader built anew at each k-NN evaluation would otherwise
+        leave its idle workers alive until garbage collection. Keep one loader and pass True to reuse them.
+        """
+        batch_size = batch_size or self.hparams.batch_size
+        return self._loader(dataset, batch_size, False, num_workers, persistent_workers)
+
+    # ------------------------------------------------------------------------------------------ bookkeeping
+    @property
+    def num_skipped(self) -> int:
+        """Distinct unreadable files met so far in this process's training and k-NN datasets."""
+        datasets = [self.train_dataset, *(self._knn or ())]
+        return sum(d.num_skipped for d in datasets if d is not None)
+
+    def teardown(self, stage: str | None = None) -> None:
+        if self.num_skipped:
+            paths = [
+                p
+                for d in [self.train_dataset, *(self._knn or ())]
+                if d is not None
+                for p in d.skipped_paths()
+            ]
+            rank_zero_warn(
+                f"{self.num_skipped} unreadable image(s) were skipped on this rank, e.g. "
+                + ", ".join(str(p) for p in paths[:5])
+            )
+
+
+class SkippedImagesLogger(L.Callback):
+    """Logs ``data/skipped_images`` (distinct unreadable files, summed over ranks) at the end of each epoch."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        count = getattr(trainer.datamodule, "num_skipped", None)
+        if count is None:
+            return
+        pl_module.log("data/skipped_images", float(count), reduce_fx="sum", sync_dist=True, on_epoch=True)
