@@ -55,7 +55,13 @@ def speed(resolutions: list[int], batch: int, repeats: int) -> list[dict]:
             times["timm"].append(_time_fwd_bwd(reference, x))
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append(
-            dict(resolution=res, batch=batch, ours_s=med["ours"], timm_s=med["timm"], ratio=med["ours"] / med["timm"])
+            dict(
+                resolution=res,
+                batch=batch,
+                ours_s=med["ours"],
+                timm_s=med["timm"],
+                ratio=med["ours"] / med["timm"],
+            )
         )
         print(
             f"fwd+bwd S12/16 {res}px batch {batch}: ours {med['ours'] * 1e3:8.1f} ms  timm {med['timm'] * 1e3:8.1f} ms  "
@@ -95,11 +101,19 @@ def memory(resolutions: list[int]) -> list[dict]:
             # the live tensors instead of whatever the heap kept from earlier frees.
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
             out = subprocess.run(
-                [sys.executable, __file__, "--child", kind, str(res)], capture_output=True, text=True, check=True, env=env
+                [sys.executable, __file__, "--child", kind, str(res)],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
             )
             peak = json.loads(out.stdout.strip().splitlines()[-1])["bytes"]
             tokens = (res // 16) ** 2
-            rows.append(dict(model=kind, resolution=res, tokens=tokens, peak_bytes=peak, bytes_per_token=peak / tokens))
+            rows.append(
+                dict(
+                    model=kind, resolution=res, tokens=tokens, peak_bytes=peak, bytes_per_token=peak / tokens
+                )
+            )
             print(
                 f"peak fwd memory {kind:4s} {res:5d}px {tokens:5d} tokens: {peak / 2**20:9.1f} MiB "
                 f"= {peak / tokens / 1024:8.1f} KiB/token",
@@ -118,7 +132,9 @@ def memory(resolutions: list[int]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="3 repeats and batch 2: a smoke run")
     parser.add_argument("--repeats", type=int, default=7, help="timed fwd+bwd runs per model and resolution")
     parser.add_argument("--batch", type=int, default=4, help="batch size at 224 px (512 px uses a quarter)")

@@ -1,7 +1,7 @@
 """``ssl-xcit knn``: weighted k-NN accuracy of a frozen backbone (DINO's ``eval_knn.py`` protocol).
 
-    ssl-xcit knn --weights teacher.pth --train imagenet/train --val imagenet/val --output knn.json
-    ssl-xcit knn --arch xcit_nano_12_p16 --train D/train --val D/val     # random-init baseline
+ssl-xcit knn --weights teacher.pth --train imagenet/train --val imagenet/val --output knn.json
+ssl-xcit knn --arch xcit_nano_12_p16 --train D/train --val D/val     # random-init baseline
 """
 
 from __future__ import annotations
@@ -28,32 +28,51 @@ def add_feature_arguments(parser: argparse.ArgumentParser) -> None:
         help="registered backbone name (e.g. xcit_small_12_p16); inferred from the checkpoint when omitted, and "
         "checked against it when given (a checkpoint of another architecture is an error)",
     )
-    parser.add_argument("--train", required=True, help="labelled train images: an ImageFolder tree (class subfolders)")
-    parser.add_argument("--val", required=True, help="labelled val images with the same class subfolders as --train")
+    parser.add_argument(
+        "--train", required=True, help="labelled train images: an ImageFolder tree (class subfolders)"
+    )
+    parser.add_argument(
+        "--val", required=True, help="labelled val images with the same class subfolders as --train"
+    )
     parser.add_argument("--batch-size", type=int, default=128, help="images per device per batch (DINO: 128)")
     parser.add_argument("--num-workers", type=int, default=8, help="data-loading processes per device")
     parser.add_argument(
-        "--resize-size", type=int, default=256, help="short side before the centre crop (DINO: 256 = 224 / 0.875)"
+        "--resize-size",
+        type=int,
+        default=256,
+        help="short side before the centre crop (DINO: 256 = 224 / 0.875)",
     )
     parser.add_argument(
-        "--crop-size", type=int, default=224, help="centre crop (DINO: 224); must be a multiple of the patch size"
+        "--crop-size",
+        type=int,
+        default=224,
+        help="centre crop (DINO: 224); must be a multiple of the patch size",
     )
     parser.add_argument(
-        "--n-last-blocks", type=int, default=1,
+        "--n-last-blocks",
+        type=int,
+        default=1,
         help="concatenate the CLS embeddings of the last n blocks (1 = final CLS, DINO's XCiT feature)",
     )
     parser.add_argument(
         "--avgpool-patchtokens", action="store_true", help="append the average-pooled final patch tokens"
     )
     parser.add_argument(
-        "--cache-dir", default=None,
+        "--cache-dir",
+        default=None,
         help="feature cache folder (default $SSL_XCIT_CACHE/features or ~/.cache/ssl_xcit/features); entries are "
         "keyed on the checkpoint sha256, model, transform and file list, so they are never served stale",
     )
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the feature cache")
-    parser.add_argument("--accelerator", default="auto", help="Lightning accelerator for extraction (cpu, gpu, auto)")
-    parser.add_argument("--devices", default="auto", help="Lightning devices: a count, a list, or auto (all GPUs)")
-    parser.add_argument("--precision", default=None, help="Lightning precision, e.g. bf16-mixed on GPU (default fp32)")
+    parser.add_argument(
+        "--accelerator", default="auto", help="Lightning accelerator for extraction (cpu, gpu, auto)"
+    )
+    parser.add_argument(
+        "--devices", default="auto", help="Lightning devices: a count, a list, or auto (all GPUs)"
+    )
+    parser.add_argument(
+        "--precision", default=None, help="Lightning precision, e.g. bf16-mixed on GPU (default fp32)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of a random-init backbone (and the probe)")
     parser.add_argument("--output", default=None, help="write the results as JSON here (atomic)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -75,21 +94,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_feature_arguments(parser)
     parser.add_argument(
-        "--k", type=int, nargs="+", default=list(DEFAULT_KS),
+        "--k",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_KS),
         help="numbers of neighbours, all reported together (DINO: 10 20 100 200; 20 usually works best). A k "
         "larger than the train set is clamped to it with a warning",
     )
     parser.add_argument(
-        "--temperature", type=float, default=DEFAULT_TEMPERATURE,
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
         help="vote temperature T in exp(sim / T) (DINO: 0.07; lower = closest neighbours dominate)",
     )
     parser.add_argument(
-        "--backend", choices=BACKENDS, default="torch",
+        "--backend",
+        choices=BACKENDS,
+        default="torch",
         help="neighbour search: chunked torch matmul+topk (CPU or GPU) or faiss exact inner product "
         "(IndexFlatIP, faiss GPU when available); same accuracies",
     )
     parser.add_argument(
-        "--chunk-size", type=int, default=None,
+        "--chunk-size",
+        type=int,
+        default=None,
         help="queries per similarity chunk (default: sized so one chunk's similarity matrix is <= 256 MiB)",
     )
     parser.add_argument(

@@ -25,12 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_feature_arguments(parser)
     parser.add_argument(
-        "--fast", action="store_true",
+        "--fast",
+        action="store_true",
         help="train on cached eval-transform features (no augmentation, shares the k-NN cache) and sweep --lrs "
         "with one head per lr in one pass; minutes instead of hours, usually within a point of the full probe",
     )
     parser.add_argument(
-        "--lrs", type=float, nargs="+", default=None,
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=None,
         help="base learning rate(s) for a total batch of 256; several train one head each on the same batches "
         "and the best is reported (default: 0.001 as DINO; with --fast DINOv2's 13-value sweep 1e-5..0.1)",
     )

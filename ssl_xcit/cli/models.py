@@ -22,8 +22,10 @@ def main(argv: Sequence[str] | None = None) -> dict | list[str]:
             params = sum(p.numel() for p in model.parameters()) / 1e6
             info = describe(name)
             rows.append(name)
-            print(f"{name:22s} {params:7.2f}M params  dim {info['embed_dim']:4d}  depth {info['depth']:2d}  "
-                  f"heads {info['num_heads']:2d}  LayerScale {info['eta']:g}")
+            print(
+                f"{name:22s} {params:7.2f}M params  dim {info['embed_dim']:4d}  depth {info['depth']:2d}  "
+                f"heads {info['num_heads']:2d}  LayerScale {info['eta']:g}"
+            )
         return rows
     model = create_model(args.name).eval()
     height, width = args.input_size

@@ -119,6 +119,7 @@ class DINODataModule(L.LightningDataModule):
         self.eval_transform = eval_transform(eval_resize, eval_crop)
         self.train_dataset: ImageDataset | None = None
         self.val_dataset: ImageDataset | None = None  # labelled k-NN queries (no transform), or None
+        self._val_crops: ImageDataset | None = None  # the val images with the multi-crop transform
         self.knn_unavailable_reason: str | None = None
         self._knn: tuple[ImageDataset, ImageDataset] | None = None
 
@@ -240,6 +241,21 @@ class DINODataModule(L.LightningDataModule):
             self.setup("fit")
         return self._loader(self.train_dataset, self.hparams.batch_size, train=True)
 
+    def val_dataloader(self) -> DataLoader | list:
+        """Multi-crop batches of the labelled val set, in order, for the DINO loss on held-out images.
+
+        ``[]`` (no validation loop) when there is no val set; the online k-NN monitor does not need this loader.
+        """
+        if self.train_dataset is None:
+            self.setup("validate")
+        if self.val_dataset is None:
+            return []
+        if self._val_crops is None:
+            self._val_crops = ImageDataset(
+                self.val_dataset.samples, self.val_dataset.classes, self.train_transform
+            )
+        return self._loader(self._val_crops, self.hparams.batch_size, train=False, persistent_workers=False)
+
     def knn_datasets(self) -> tuple[ImageDataset, ImageDataset] | None:
         """``(bank, queries)`` with the eval transform, or None (see ``knn_unavailable_reason``) without labels.
 
@@ -283,7 +299,7 @@ class DINODataModule(L.LightningDataModule):
     @property
     def num_skipped(self) -> int:
         """Distinct unreadable files met so far in this process's training and k-NN datasets."""
-        datasets = [self.train_dataset, *(self._knn or ())]
+        datasets = [self.train_dataset, self._val_crops, *(self._knn or ())]
         return sum(d.num_skipped for d in datasets if d is not None)
 
     def teardown(self, stage: str | None = None) -> None:

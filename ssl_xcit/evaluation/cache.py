@@ -56,7 +56,9 @@ def cache_path(cache_dir: str | os.PathLike, name: str, meta: Mapping[str, Any])
     return Path(cache_dir) / f"{safe}-{sha256_json(_normalise_meta(meta))[:16]}.pt"
 
 
-def load_cached(cache_dir: str | os.PathLike, name: str, meta: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+def load_cached(
+    cache_dir: str | os.PathLike, name: str, meta: Mapping[str, Any]
+) -> dict[str, torch.Tensor] | None:
     """The cached tensors for exactly this ``meta``, or None (missing, different meta, or unreadable)."""
     path = cache_path(cache_dir, name, meta)
     if not path.is_file():

@@ -67,7 +67,9 @@ class FeatureConfig:
         return embed_dim * (self.n_last_blocks + int(self.avgpool_patchtokens))
 
 
-def compute_features(model: nn.Module, images: torch.Tensor, config: FeatureConfig = FeatureConfig()) -> torch.Tensor:
+def compute_features(
+    model: nn.Module, images: torch.Tensor, config: FeatureConfig = FeatureConfig()
+) -> torch.Tensor:
     """The (B, D) frozen feature of ``config`` for a batch of images."""
     if config.n_last_blocks == 1 and not config.avgpool_patchtokens:
         return model(images)
@@ -176,13 +178,31 @@ def extract_features(
     ``precision`` is passed to the Trainer (e.g. ``"bf16-mixed"`` on GPU); features are returned in float32.
     """
     return _run_extraction(
-        model, dataset, config=config, batch_size=batch_size, num_workers=num_workers, accelerator=accelerator,
-        devices=devices, precision=precision, progress=progress, extractor_hook=extractor_hook,
+        model,
+        dataset,
+        config=config,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        accelerator=accelerator,
+        devices=devices,
+        precision=precision,
+        progress=progress,
+        extractor_hook=extractor_hook,
     )[0]
 
 
 def _run_extraction(
-    model, dataset, *, config, batch_size, num_workers, accelerator, devices, precision, progress, extractor_hook
+    model,
+    dataset,
+    *,
+    config,
+    batch_size,
+    num_workers,
+    accelerator,
+    devices,
+    precision,
+    progress,
+    extractor_hook,
 ) -> tuple[dict[str, torch.Tensor], bool]:
     check_not_empty(dataset, "dataset")
     loader = DataLoader(
@@ -322,8 +342,16 @@ def dataset_features(
     elif not isinstance(model, nn.Module):
         model = model()
     result, is_zero = _run_extraction(
-        model, dataset, config=config, batch_size=batch_size, num_workers=num_workers, accelerator=accelerator,
-        devices=devices, precision=precision, progress=progress, extractor_hook=extractor_hook,
+        model,
+        dataset,
+        config=config,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        accelerator=accelerator,
+        devices=devices,
+        precision=precision,
+        progress=progress,
+        extractor_hook=extractor_hook,
     )
     if result["features"].shape[0] == 0:
         raise ValueError(f"the {split} split has no readable images: all {len(dataset)} files failed to load")

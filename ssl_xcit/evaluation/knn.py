@@ -116,7 +116,9 @@ def _normalised_bank(bank: torch.Tensor) -> np.ndarray:
     """One float32 copy of the bank with unit rows, filled block by block (the only full copy faiss needs)."""
     out = torch.empty(bank.shape, dtype=torch.float32)
     for start in range(0, bank.shape[0], _FAISS_NORM_BLOCK):
-        out[start : start + _FAISS_NORM_BLOCK] = F.normalize(bank[start : start + _FAISS_NORM_BLOCK].float().cpu(), dim=1)
+        out[start : start + _FAISS_NORM_BLOCK] = F.normalize(
+            bank[start : start + _FAISS_NORM_BLOCK].float().cpu(), dim=1
+        )
     return out.numpy()
 
 

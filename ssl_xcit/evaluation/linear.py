@@ -46,7 +46,21 @@ log = logging.getLogger(__name__)
 # DINO's eval_linear.py default base lr (for a total batch of 256).
 DEFAULT_BASE_LR = 0.001
 # DINOv2's linear-eval sweep (base lrs for a total batch of 256): heads are cheap, so try them all at once.
-DEFAULT_SWEEP_LRS: tuple[float, ...] = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
+DEFAULT_SWEEP_LRS: tuple[float, ...] = (
+    1e-5,
+    2e-5,
+    5e-5,
+    1e-4,
+    2e-4,
+    5e-4,
+    1e-3,
+    2e-3,
+    5e-3,
+    1e-2,
+    2e-2,
+    5e-2,
+    0.1,
+)
 
 
 def linear_train_transform(crop_size: int = 224):
@@ -116,7 +130,9 @@ class LinearProbeDataModule(pl.LightningDataModule):
         from ssl_xcit.data.datasets import build_dataset
 
         self.train_dataset = build_dataset(self.train_root, transform=linear_train_transform(self.crop_size))
-        self.val_dataset = build_dataset(self.val_root, transform=_eval_transform(self.resize_size, self.crop_size))
+        self.val_dataset = build_dataset(
+            self.val_root, transform=_eval_transform(self.resize_size, self.crop_size)
+        )
         check_not_empty(self.train_dataset, "train", self.train_root)
         check_not_empty(self.val_dataset, "val", self.val_root)
         check_same_classes(self.train_dataset.classes, self.val_dataset.classes)
@@ -202,24 +218,34 @@ class LinearProbe(pl.LightningModule):
         if num_classes is not None:
             self._make_heads(num_classes)
         self.results: dict[str, Any] | None = None
-        self.write_on_fit_end = True  # the LightningCLI route writes JSON + prints the table at the end of fit
+        self.write_on_fit_end = (
+            True  # the LightningCLI route writes JSON + prints the table at the end of fit
+        )
 
     # --- model ---------------------------------------------------------------------------------------------
     def _make_heads(self, num_classes: int) -> None:
         if num_classes < 2:
             raise ValueError(f"a linear probe needs at least 2 classes, got {num_classes}")
         self.num_classes = num_classes
-        self.hparams.num_classes = num_classes  # saved in checkpoints, so load_from_checkpoint rebuilds the heads
+        self.hparams.num_classes = (
+            num_classes  # saved in checkpoints, so load_from_checkpoint rebuilds the heads
+        )
         self.heads = nn.ModuleList(_linear_head(self.feature_dim, num_classes) for _ in self.base_lrs)
         top5 = min(5, num_classes)
-        self.val_top1 = nn.ModuleList(MulticlassAccuracy(num_classes, top_k=1, average="micro") for _ in self.heads)
-        self.val_top5 = nn.ModuleList(MulticlassAccuracy(num_classes, top_k=top5, average="micro") for _ in self.heads)
+        self.val_top1 = nn.ModuleList(
+            MulticlassAccuracy(num_classes, top_k=1, average="micro") for _ in self.heads
+        )
+        self.val_top5 = nn.ModuleList(
+            MulticlassAccuracy(num_classes, top_k=top5, average="micro") for _ in self.heads
+        )
 
     def configure_model(self) -> None:
         if self.heads is None:
             datamodule = getattr(self.trainer, "datamodule", None)
             if datamodule is None or not hasattr(datamodule, "num_classes"):
-                raise ValueError("num_classes is unknown: pass num_classes or use a datamodule with .num_classes")
+                raise ValueError(
+                    "num_classes is unknown: pass num_classes or use a datamodule with .num_classes"
+                )
             self._make_heads(int(datamodule.num_classes))
 
     def train(self, mode: bool = True) -> LinearProbe:
@@ -297,7 +323,9 @@ class LinearProbe(pl.LightningModule):
             {"params": head.parameters(), "lr": base_lr * scale}
             for head, base_lr in zip(self.heads, self.base_lrs, strict=True)
         ]
-        optimizer = torch.optim.SGD(groups, momentum=self.hparams.momentum, weight_decay=self.hparams.weight_decay)
+        optimizer = torch.optim.SGD(
+            groups, momentum=self.hparams.momentum, weight_decay=self.hparams.weight_decay
+        )
         total = max(1, int(self.trainer.estimated_stepping_batches))
 
         def cosine(step: int) -> float:
@@ -320,7 +348,10 @@ class LinearProbe(pl.LightningModule):
         if self.results is None or not self.write_on_fit_end or not self.trainer.is_global_zero:
             return
         results = self.describe()
-        path = self.hparams.output or Path(self.trainer.log_dir or self.trainer.default_root_dir) / "linear_results.json"
+        path = (
+            self.hparams.output
+            or Path(self.trainer.log_dir or self.trainer.default_root_dir) / "linear_results.json"
+        )
         write_results(results, path)
         print(format_linear_table(results))
 
@@ -396,31 +427,67 @@ def run_linear(
     )
     if fast:
         results = _run_fast(
-            train, val, weights=weights, arch=arch, lrs=lrs, batch_size=batch_size, num_workers=num_workers,
-            n_last_blocks=n_last_blocks, avgpool_patchtokens=avgpool_patchtokens, crop_size=crop_size,
-            resize_size=resize_size, cache_dir=cache_dir, use_cache=use_cache, seed=seed,
+            train,
+            val,
+            weights=weights,
+            arch=arch,
+            lrs=lrs,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            n_last_blocks=n_last_blocks,
+            avgpool_patchtokens=avgpool_patchtokens,
+            crop_size=crop_size,
+            resize_size=resize_size,
+            cache_dir=cache_dir,
+            use_cache=use_cache,
+            seed=seed,
             trainer_kwargs=trainer_kwargs,
         )
     else:
         data = LinearProbeDataModule(train, val, batch_size, num_workers, crop_size, resize_size)
         model = LinearProbe(
-            weights=weights, arch=arch, n_last_blocks=n_last_blocks, avgpool_patchtokens=avgpool_patchtokens,
-            lrs=list(lrs), seed=seed,
+            weights=weights,
+            arch=arch,
+            n_last_blocks=n_last_blocks,
+            avgpool_patchtokens=avgpool_patchtokens,
+            lrs=list(lrs),
+            seed=seed,
         )
         model.write_on_fit_end = False  # run_linear writes the fuller results itself
         trainer = pl.Trainer(**trainer_kwargs)
         trainer.fit(model, datamodule=data)
         results = model.describe()
-        results.update(mode="full", num_train=len(data.train_dataset), num_val=len(data.val_dataset),
-                       train_transform=repr(data.train_dataset.transform), val_transform=repr(data.val_dataset.transform))
+        results.update(
+            mode="full",
+            num_train=len(data.train_dataset),
+            num_val=len(data.val_dataset),
+            train_transform=repr(data.train_dataset.transform),
+            val_transform=repr(data.val_dataset.transform),
+        )
     results.update(train=str(train), val=str(val), seed=seed)
     if output:
         write_results(results, output)
     return results
 
 
-def _run_fast(train, val, *, weights, arch, lrs, batch_size, num_workers, n_last_blocks, avgpool_patchtokens,
-              crop_size, resize_size, cache_dir, use_cache, seed, trainer_kwargs) -> dict[str, Any]:
+def _run_fast(
+    train,
+    val,
+    *,
+    weights,
+    arch,
+    lrs,
+    batch_size,
+    num_workers,
+    n_last_blocks,
+    avgpool_patchtokens,
+    crop_size,
+    resize_size,
+    cache_dir,
+    use_cache,
+    seed,
+    trainer_kwargs,
+) -> dict[str, Any]:
     from ssl_xcit.data.datasets import build_dataset
     from ssl_xcit.evaluation.features import dataset_features
 
@@ -437,28 +504,47 @@ def _run_fast(train, val, *, weights, arch, lrs, batch_size, num_workers, n_last
         return backbone[0]
 
     extract = dict(
-        weights=weights, arch=arch, config=config, cache_dir=cache_dir, use_cache=use_cache, seed=seed,
-        model=shared_backbone, batch_size=batch_size, num_workers=num_workers,
-        accelerator=trainer_kwargs["accelerator"], devices=trainer_kwargs["devices"],
+        weights=weights,
+        arch=arch,
+        config=config,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+        seed=seed,
+        model=shared_backbone,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        accelerator=trainer_kwargs["accelerator"],
+        devices=trainer_kwargs["devices"],
         progress=trainer_kwargs["enable_progress_bar"],
     )
     tr, tr_hit = dataset_features(train_ds, "train", **extract)
     va, va_hit = dataset_features(val_ds, "val", **extract)
     model = LinearProbe(
-        num_classes=len(train_ds.classes), feature_dim=tr["features"].shape[1], lrs=list(lrs),
-        per_device_batch_size=batch_size, weights=weights, arch=arch, n_last_blocks=n_last_blocks,
+        num_classes=len(train_ds.classes),
+        feature_dim=tr["features"].shape[1],
+        lrs=list(lrs),
+        per_device_batch_size=batch_size,
+        weights=weights,
+        arch=arch,
+        n_last_blocks=n_last_blocks,
         avgpool_patchtokens=avgpool_patchtokens,
     )
     model.write_on_fit_end = False
     g = torch.Generator().manual_seed(seed)
-    train_loader = DataLoader(TensorDataset(tr["features"], tr["labels"]), batch_size=batch_size, shuffle=True,
-                              generator=g)
+    train_loader = DataLoader(
+        TensorDataset(tr["features"], tr["labels"]), batch_size=batch_size, shuffle=True, generator=g
+    )
     val_loader = DataLoader(TensorDataset(va["features"], va["labels"]), batch_size=max(batch_size, 1024))
     # Heads on cached features are tiny: one process is faster than any multi-device launch.
     kwargs = {**trainer_kwargs, "devices": 1}
     trainer = pl.Trainer(**kwargs)
     trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader)
     results = model.describe()
-    results.update(mode="fast", num_train=int(tr["features"].shape[0]), num_val=int(va["features"].shape[0]),
-                   feature_cache_hit={"train": tr_hit, "val": va_hit}, transform=repr(transform))
+    results.update(
+        mode="fast",
+        num_train=int(tr["features"].shape[0]),
+        num_val=int(va["features"].shape[0]),
+        feature_cache_hit={"train": tr_hit, "val": va_hit},
+        transform=repr(transform),
+    )
     return results

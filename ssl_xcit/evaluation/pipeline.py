@@ -98,9 +98,19 @@ def evaluate_knn(
         return backbone[0]
 
     extract = dict(
-        weights=weights, arch=arch, config=config, cache_dir=cache_dir, use_cache=use_cache, seed=seed,
-        model=shared_backbone, batch_size=batch_size, num_workers=num_workers, accelerator=accelerator,
-        devices=devices, precision=precision, progress=progress,
+        weights=weights,
+        arch=arch,
+        config=config,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+        seed=seed,
+        model=shared_backbone,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        accelerator=accelerator,
+        devices=devices,
+        precision=precision,
+        progress=progress,
     )
     t0 = time.perf_counter()
     tr, tr_hit = dataset_features(train_ds, "train", **extract)
@@ -111,8 +121,14 @@ def evaluate_knn(
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and backend == "torch" else "cpu"
     per_k = knn_accuracy(
-        tr["features"].to(device), tr["labels"].to(device), va["features"].to(device), va["labels"],
-        ks=ks, temperature=temperature, num_classes=len(train_ds.classes), backend=backend,
+        tr["features"].to(device),
+        tr["labels"].to(device),
+        va["features"].to(device),
+        va["labels"],
+        ks=ks,
+        temperature=temperature,
+        num_classes=len(train_ds.classes),
+        backend=backend,
         chunk_size=chunk_size,
     )
     t2 = time.perf_counter()
@@ -124,17 +140,24 @@ def evaluate_knn(
         "init": "pretrained" if weights is not None else f"random (seed {seed})",
         "feature": config.name,
         "transform": repr(getattr(train_ds, "transform", None)),
-        "train": str(getattr(train_ds, "root", train if isinstance(train, (str, os.PathLike)) else "dataset")),
+        "train": str(
+            getattr(train_ds, "root", train if isinstance(train, (str, os.PathLike)) else "dataset")
+        ),
         "val": str(getattr(val_ds, "root", val if isinstance(val, (str, os.PathLike)) else "dataset")),
         "num_train": int(tr["features"].shape[0]),
         "num_val": int(va["features"].shape[0]),
-        "num_skipped": {"train": len(train_ds) - int(tr["features"].shape[0]),
-                        "val": len(val_ds) - int(va["features"].shape[0])},
+        "num_skipped": {
+            "train": len(train_ds) - int(tr["features"].shape[0]),
+            "val": len(val_ds) - int(va["features"].shape[0]),
+        },
         "num_classes": len(train_ds.classes),
         "ks": [int(k) for k in ks],
         "temperature": float(temperature),
         "backend": backend,
-        "results": {str(k): {key: row[key] for key in ("top1", "top5", "k", "k_effective")} for k, row in per_k.items()},
+        "results": {
+            str(k): {key: row[key] for key in ("top1", "top5", "k", "k_effective")}
+            for k, row in per_k.items()
+        },
         "feature_cache_hit": {"train": tr_hit, "val": va_hit},
         "seconds": {"features": round(t1 - t0, 3), "knn": round(t2 - t1, 3)},
     }

@@ -1,8 +1,8 @@
 """XCiT backbones: a registry of the 14 paper variants and a loader for every common checkpoint layout.
 
-    >>> from ssl_xcit.models import create_model
-    >>> model = create_model("xcit_small_12_p16")          # CLS embedding model (num_classes=0)
-    >>> tokens, (h, w) = model.forward_patch_tokens(images)  # patch tokens before class attention
+>>> from ssl_xcit.models import create_model
+>>> model = create_model("xcit_small_12_p16")          # CLS embedding model (num_classes=0)
+>>> tokens, (h, w) = model.forward_patch_tokens(images)  # patch tokens before class attention
 """
 
 from ssl_xcit.models.checkpoint import (
@@ -10,6 +10,7 @@ from ssl_xcit.models.checkpoint import (
     build_backbone,
     convert_state_dict,
     extract_state_dict,
+    infer_architecture,
     infer_model_name,
     load_pretrained,
     read_checkpoint,
@@ -37,6 +38,7 @@ __all__ = [
     "create_model",
     "describe",
     "extract_state_dict",
+    "infer_architecture",
     "infer_model_name",
     "list_models",
     "load_pretrained",

@@ -98,7 +98,9 @@ def extract_state_dict(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Tensor]
     return state, name
 
 
-def convert_state_dict(state_dict: Mapping[str, Tensor], model: XCiT | None = None) -> tuple[dict[str, Tensor], list[str]]:
+def convert_state_dict(
+    state_dict: Mapping[str, Tensor], model: XCiT | None = None
+) -> tuple[dict[str, Tensor], list[str]]:
     """Translate official/DINO naming into ours; returns ``(state_dict, dropped_head_keys)``.
 
     Head keys are dropped when the model has no classifier (``num_classes == 0``) or when they belong to a DINO
@@ -165,8 +167,12 @@ def load_pretrained(
     return report
 
 
-def infer_model_name(state_dict: Mapping[str, Tensor]) -> str | None:
-    """Guess the registered variant from tensor shapes (width, depth, patch), or ``None`` if it is no XCiT."""
+def infer_architecture(state_dict: Mapping[str, Tensor]) -> tuple[str, dict[str, int]] | None:
+    """``(registered name, overrides)`` matching the tensor shapes, or ``None`` if it is no XCiT.
+
+    Width, heads and patch size pick the family member; a depth other than the registered one (a truncated
+    model, e.g. ``depth=4``) comes back as an override.
+    """
     state, _ = convert_state_dict(state_dict)
     token = state.get("cls_token")
     if token is None:
@@ -175,18 +181,36 @@ def infer_model_name(state_dict: Mapping[str, Tensor]) -> str | None:
     depth = 1 + max((int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k))), default=-1)
     convs = {int(m.group(1)) for k in state if (m := re.match(r"patch_embed\.proj\.(\d+)\.0\.weight", k))}
     patch = {4: 16, 3: 8}.get(len(convs))
-    for size, spec in SIZES.items():
-        if spec.embed_dim == width and spec.depth == depth and patch is not None:
-            return f"xcit_{size}_p{patch}"
-    return None
+    temperature = state.get("blocks.0.attn.temperature")
+    heads = temperature.shape[0] if temperature is not None else None
+    candidates = [
+        size for size, spec in SIZES.items() if spec.embed_dim == width and heads in (None, spec.num_heads)
+    ]
+    if patch is None or depth < 1 or not candidates:
+        return None
+    exact = [size for size in candidates if SIZES[size].depth == depth]
+    size = exact[0] if exact else min(candidates, key=lambda c: abs(SIZES[c].depth - depth))
+    overrides = {} if exact else {"depth": depth}
+    return f"xcit_{size}_p{patch}", overrides
+
+
+def infer_model_name(state_dict: Mapping[str, Tensor]) -> str | None:
+    """The registered variant whose shapes the state dict has exactly, or ``None``."""
+    found = infer_architecture(state_dict)
+    return found[0] if found is not None and not found[1] else None
+
+
+def _describe(name: str, overrides: Mapping[str, Any]) -> str:
+    return name + "".join(f" with {k}={v}" for k, v in sorted(overrides.items()))
 
 
 def build_backbone(weights: str | os.PathLike | None, name: str | None = None, **overrides) -> XCiT:
     """Build a backbone and load ``weights`` into it.
 
-    The architecture is ``name`` if given, else the one recorded in a Lightning checkpoint, else the one inferred
-    from tensor shapes. A checkpoint of another architecture than ``name`` raises a ValueError naming both.
-    With ``weights=None`` a randomly initialised ``name`` is returned (a baseline).
+    The architecture is ``name`` if given, else the one recorded in a Lightning checkpoint (``backbone`` and
+    ``backbone_kwargs`` hyper-parameters), else the one inferred from tensor shapes. A checkpoint of another
+    architecture than ``name`` raises a ValueError naming both. With ``weights=None`` a randomly initialised
+    ``name`` is returned (a baseline).
     """
     if weights is None:
         if name is None:
@@ -194,18 +218,23 @@ def build_backbone(weights: str | os.PathLike | None, name: str | None = None, *
         return create_model(name, **overrides)
     checkpoint = read_checkpoint(weights)
     state, hinted = extract_state_dict(checkpoint)
-    inferred = infer_model_name(state)
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
+    hinted_kwargs = dict((hparams or {}).get("backbone_kwargs") or {}) if hinted else {}
+    inferred = infer_architecture(state)
+    found = (canonical_name(hinted), hinted_kwargs) if hinted else inferred
     if name is not None:
-        wanted = canonical_name(name)
-        found = inferred or hinted
-        if found is not None and canonical_name(found) != wanted:
-            raise ValueError(f"checkpoint {weights} holds a {found} backbone, but {wanted} was requested")
-    else:
-        name = hinted or inferred
-        if name is None:
+        wanted = (canonical_name(name), {k: v for k, v in overrides.items() if k == "depth"})
+        if found is not None and (found[0], {k: v for k, v in found[1].items() if k == "depth"}) != wanted:
             raise ValueError(
-                f"cannot tell the architecture of {weights}: pass the model name explicitly (e.g. --arch xcit_small_12_p16)"
+                f"checkpoint {weights} holds a {_describe(*found)} backbone, but {_describe(*wanted)} was requested"
             )
-    model = create_model(name, **overrides)
+        arch_kwargs = dict(found[1]) if found is not None else {}
+    elif found is None:
+        raise ValueError(
+            f"cannot tell the architecture of {weights}: pass the model name explicitly (e.g. --arch xcit_small_12_p16)"
+        )
+    else:
+        name, arch_kwargs = found
+    model = create_model(name, **{**arch_kwargs, **overrides})
     load_pretrained(model, checkpoint, strict=True)
     return model

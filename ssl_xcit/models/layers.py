@@ -82,7 +82,9 @@ class ConvPatchEmbed(nn.Module):
         elif patch_size == 8:
             widths = [embed_dim // 4, embed_dim // 2, embed_dim]
         else:
-            raise ValueError(f"XCiT's convolutional patch embedding supports patch sizes 8 and 16, got {patch_size}")
+            raise ValueError(
+                f"XCiT's convolutional patch embedding supports patch sizes 8 and 16, got {patch_size}"
+            )
         layers: list[nn.Module] = []
         previous = in_chans
         for i, width in enumerate(widths):
@@ -168,7 +170,9 @@ class XCA(nn.Module):
             # N x C intermediate and its permuted copy, which pays off once N > C (high resolutions).
             proj_w = self.proj.weight.reshape(channels, self.num_heads, head_dim)  # (C_out, h, d_i)
             fused = torch.einsum("ohi,bhij->bhjo", proj_w, attn).reshape(batch, channels, channels)
-            out = torch.baddbmm(self.proj.bias.expand(batch, 1, channels), v.reshape(batch, tokens, channels), fused)
+            out = torch.baddbmm(
+                self.proj.bias.expand(batch, 1, channels), v.reshape(batch, tokens, channels), fused
+            )
         else:
             out = v.permute(0, 2, 1, 3) @ attn.transpose(-2, -1)  # (B, h, N, d)
             out = self.proj(out.transpose(1, 2).reshape(batch, tokens, channels))
@@ -274,7 +278,9 @@ class ClassAttentionBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = ClassAttention(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
+        self.attn = ClassAttention(
+            dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop
+        )
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), drop=proj_drop)

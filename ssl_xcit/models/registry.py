@@ -111,5 +111,7 @@ def describe(name: str) -> dict:
     size = key[len("xcit_") : key.rindex("_p")]
     info = asdict(SIZES[size])
     info.pop("supervised_drop_path")
-    info.update(name=key, patch_size=MODEL_CONFIGS[key]["patch_size"], supervised_drop_path=supervised_drop_path(key))
+    info.update(
+        name=key, patch_size=MODEL_CONFIGS[key]["patch_size"], supervised_drop_path=supervised_drop_path(key)
+    )
     return info

@@ -113,7 +113,9 @@ class XCiT(nn.Module):
     def check_input(self, x: Tensor) -> None:
         """Raise a ValueError naming the size and the patch when the input cannot be tiled by patches."""
         if x.ndim != 4:
-            raise ValueError(f"{self.name} expects a (B, C, H, W) image batch, got a tensor of shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{self.name} expects a (B, C, H, W) image batch, got a tensor of shape {tuple(x.shape)}"
+            )
         height, width = x.shape[-2:]
         p = self.patch_size
         if height % p or width % p or height == 0 or width == 0:
@@ -178,7 +180,9 @@ class XCiT(nn.Module):
         indices = list(range(self.depth - n, self.depth)) if isinstance(n, int) else [int(i) for i in n]
         bad = [i for i in indices if not -self.depth <= i < self.depth]
         if bad or not indices:
-            raise ValueError(f"block indices {bad or indices} are out of range for {self.name} with {self.depth} blocks")
+            raise ValueError(
+                f"block indices {bad or indices} are out of range for {self.name} with {self.depth} blocks"
+            )
         return sorted(i % self.depth for i in indices)
 
     def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:

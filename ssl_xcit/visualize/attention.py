@@ -16,7 +16,9 @@ from ssl_xcit.models import XCiT
 
 
 @torch.no_grad()
-def attention_heatmaps(model: XCiT, images: Tensor, layer: int = -1, threshold: float | None = None) -> Tensor:
+def attention_heatmaps(
+    model: XCiT, images: Tensor, layer: int = -1, threshold: float | None = None
+) -> Tensor:
     """Per-head CLS attention over patches, upsampled to the image: (B, heads, H, W), each map summing to 1.
 
     Args:

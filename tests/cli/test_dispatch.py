@@ -33,7 +33,11 @@ def test_every_command_module_exists():
 
 
 def test_python_dash_m_exits_zero():
-    out = subprocess.run([sys.executable, "-m", "ssl_xcit", "models", "xcit_nano_12_p16", "--input-size", "32", "32"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "ssl_xcit", "models", "xcit_nano_12_p16", "--input-size", "32", "32"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert "cls_embedding          [1, 128]" in out.stdout

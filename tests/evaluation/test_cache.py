@@ -15,7 +15,13 @@ from ssl_xcit.evaluation.cache import (
     save_cached,
 )
 
-META = {"checkpoint_sha256": "ab" * 32, "arch": "xcit_nano_12_p16", "transform": "T", "files": "f", "feature": "cls1"}
+META = {
+    "checkpoint_sha256": "ab" * 32,
+    "arch": "xcit_nano_12_p16",
+    "transform": "T",
+    "files": "f",
+    "feature": "cls1",
+}
 
 
 def test_round_trip_and_exact_meta(tmp_path):

@@ -71,18 +71,32 @@ def test_linear_fast_reuses_knn_cache(knn_run, flowers_split, monkeypatch, tmp_p
     train, val = flowers_split
     import ssl_xcit.evaluation.features as features
 
-    monkeypatch.setattr(features, "build_eval_backbone", lambda *a, **k: pytest.fail("backbone built on a hit"))
+    monkeypatch.setattr(
+        features, "build_eval_backbone", lambda *a, **k: pytest.fail("backbone built on a hit")
+    )
     output = tmp_path / "linear.json"
     results = main(
-        ["linear", *small_args(train, val, out / "cache"), "--fast", "--epochs", "5", "--lrs", "0.01", "1.0",
-         "--output", str(output)]
+        [
+            "linear",
+            *small_args(train, val, out / "cache"),
+            "--fast",
+            "--epochs",
+            "5",
+            "--lrs",
+            "0.01",
+            "1.0",
+            "--output",
+            str(output),
+        ]
     )
     assert results["mode"] == "fast" and results["feature_cache_hit"] == {"train": True, "val": True}
     assert json.loads(output.read_text())["best"] == results["best"]
     assert [r["base_lr"] for r in results["per_lr"]] == [0.01, 1.0]
     assert results["per_lr"][1]["lr"] == pytest.approx(1.0 * 64 / 256)
     assert results["best"]["top1"] == max(r["top1"] for r in results["per_lr"])
-    assert results["num_train"] == 5 * TRAIN_PER_CLASS and results["num_classes"] == 5 and results["epochs"] == 5
+    assert (
+        results["num_train"] == 5 * TRAIN_PER_CLASS and results["num_classes"] == 5 and results["epochs"] == 5
+    )
 
 
 def test_linear_full_mode_cli(flowers_split, tmp_path):
@@ -93,8 +107,18 @@ def test_linear_full_mode_cli(flowers_split, tmp_path):
     torch.save({"model": model.state_dict()}, weights)  # a container layout, as official checkpoints use
     before = {k: v.clone() for k, v in model.state_dict().items()}
     results = main(
-        ["linear", *small_args(train, val, tmp_path / "cache"), "--weights", str(weights), "--epochs", "1",
-         "--default-root-dir", str(tmp_path / "run"), "--output", str(tmp_path / "linear.json")]
+        [
+            "linear",
+            *small_args(train, val, tmp_path / "cache"),
+            "--weights",
+            str(weights),
+            "--epochs",
+            "1",
+            "--default-root-dir",
+            str(tmp_path / "run"),
+            "--output",
+            str(tmp_path / "linear.json"),
+        ]
     )
     assert results["mode"] == "full" and results["num_train"] == 5 * TRAIN_PER_CLASS
     assert "RandomResizedCrop" in results["train_transform"] and "CenterCrop" in results["val_transform"]
@@ -114,14 +138,41 @@ def test_lightning_cli_route(flowers_split, tmp_path, repo_root):
     torch.save(create_model(ARCH).state_dict(), weights)
     output = tmp_path / "cli.json"
     cli = main(
-        ["fit", "-c", str(repo_root / "eval" / "linear_xcit.yaml"),
-         "--model.weights", str(weights), "--model.output", str(output),
-         "--data.train", str(train), "--data.val", str(val),
-         "--data.crop_size", str(CROP), "--data.resize_size", str(RESIZE),
-         "--data.num_workers", "0", "--data.batch_size", "64",
-         "--trainer.max_epochs", "1", "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-         "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "run")]
+        [
+            "fit",
+            "-c",
+            str(repo_root / "eval" / "linear_xcit.yaml"),
+            "--model.weights",
+            str(weights),
+            "--model.output",
+            str(output),
+            "--data.train",
+            str(train),
+            "--data.val",
+            str(val),
+            "--data.crop_size",
+            str(CROP),
+            "--data.resize_size",
+            str(RESIZE),
+            "--data.num_workers",
+            "0",
+            "--data.batch_size",
+            "64",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "1",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+        ]
     )
     results = json.loads(output.read_text())
     assert results["protocol"] == "linear" and results["num_classes"] == 5 and results["epochs"] == 1

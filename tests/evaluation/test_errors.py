@@ -57,7 +57,9 @@ def test_checkpoint_of_another_architecture(command, shared_flowers, tmp_path):
     torch.save(create_model(ARCH).state_dict(), weights)
     args = [*command, *small_args(train, train, tmp_path / "cache"), "--weights", str(weights)]
     args[args.index("--arch") + 1] = "xcit_tiny_12_p16"
-    with pytest.raises(ValueError, match=r"holds a xcit_nano_12_p16 backbone, but xcit_tiny_12_p16 was requested"):
+    with pytest.raises(
+        ValueError, match=r"holds a xcit_nano_12_p16 backbone, but xcit_tiny_12_p16 was requested"
+    ):
         main(args)
 
 

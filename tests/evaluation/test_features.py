@@ -77,7 +77,9 @@ def test_cache_reused_and_invalidated(tiny_folder, tmp_path):
     ds = _dataset(tiny_folder)
 
     def run(dataset, factory):
-        return dataset_features(dataset, "train", weights=weights, arch=ARCH, cache_dir=cache, model=factory, **EXTRACT)
+        return dataset_features(
+            dataset, "train", weights=weights, arch=ARCH, cache_dir=cache, model=factory, **EXTRACT
+        )
 
     first = Counter(weights)
     with pytest.warns(UserWarning, match="unreadable"):

@@ -42,7 +42,9 @@ def random_problem():
     train_labels = torch.randint(0, num_classes, (120,), generator=g)
     # Queries near some train points, so accuracies are far from both 0 and 100.
     queries = train[:45] + 0.9 * torch.randn(45, 16, generator=g)
-    query_labels = torch.where(torch.rand(45, generator=g) < 0.6, train_labels[:45], torch.randint(0, 7, (45,), generator=g))
+    query_labels = torch.where(
+        torch.rand(45, generator=g) < 0.6, train_labels[:45], torch.randint(0, 7, (45,), generator=g)
+    )
     return train, train_labels, queries, query_labels, num_classes
 
 
@@ -84,7 +86,9 @@ def test_random_features_match_plain_reference(random_problem, backend):
     acc = knn_accuracy(train, train_labels, queries, query_labels, ks=ks, temperature=T, backend=backend)
     scores = weighted_knn(train, train_labels, queries, ks=ks, temperature=T, backend=backend)
     for k in ks:
-        ref_top1, ref_top5, ref_scores = reference_knn(train, train_labels, queries, query_labels, k, T, num_classes)
+        ref_top1, ref_top5, ref_scores = reference_knn(
+            train, train_labels, queries, query_labels, k, T, num_classes
+        )
         assert acc[k]["top1"] == pytest.approx(ref_top1)
         assert acc[k]["top5"] == pytest.approx(ref_top5)
         torch.testing.assert_close(scores[k].double(), ref_scores, rtol=1e-4, atol=1e-3)

@@ -11,8 +11,15 @@ from ssl_xcit.evaluation.linear import LinearProbe
 
 from .helpers import ARCH
 
-TRAINER = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False, num_sanity_val_steps=0)
+TRAINER = dict(
+    accelerator="cpu",
+    devices=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
 
 
 def blobs(n_per_class: int, num_classes: int = 5, dim: int = 16, seed: int = 0):
@@ -25,8 +32,9 @@ def blobs(n_per_class: int, num_classes: int = 5, dim: int = 16, seed: int = 0):
 
 def fit(model: LinearProbe, x, y, xv, yv, epochs: int, batch_size: int = 16) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     model.write_on_fit_end = False
     trainer = pl.Trainer(max_epochs=epochs, **TRAINER)
     trainer.fit(model, loader, DataLoader(TensorDataset(xv, yv), batch_size=64))

@@ -56,7 +56,10 @@ DINO_HEAD = {
         lambda sd: sd,
         lambda sd: {"model": sd},
         lambda sd: {"state_dict": sd},
-        lambda sd: {"teacher": {f"module.backbone.{k}": v for k, v in sd.items()} | {f"module.{k}": v for k, v in DINO_HEAD.items()}},
+        lambda sd: {
+            "teacher": {f"module.backbone.{k}": v for k, v in sd.items()}
+            | {f"module.{k}": v for k, v in DINO_HEAD.items()}
+        },
         lambda sd: {"student": {f"backbone.{k}": v for k, v in sd.items()}},
         lambda sd: {f"module.{k}": v for k, v in sd.items()},
     ],
@@ -90,7 +93,9 @@ def test_timm_weights_load_and_official_weights_load_into_timm(source):
     ours.load_state_dict(reference.state_dict(), strict=True)
     from timm.models.xcit import checkpoint_filter_fn
 
-    reference.load_state_dict(checkpoint_filter_fn(_official_layout(source.state_dict()), reference), strict=True)
+    reference.load_state_dict(
+        checkpoint_filter_fn(_official_layout(source.state_dict()), reference), strict=True
+    )
     assert _same(source, reference) < 1e-5
 
 
@@ -101,7 +106,9 @@ def test_architecture_is_inferred_from_shapes(name):
 
 def test_wrong_shapes_name_keys_and_both_shapes(source):
     target = create_model("xcit_tiny_12_p16")
-    with pytest.raises(ValueError, match=r"cls_token: checkpoint \(1, 1, 128\) vs model \(1, 1, 192\)") as info:
+    with pytest.raises(
+        ValueError, match=r"cls_token: checkpoint \(1, 1, 128\) vs model \(1, 1, 192\)"
+    ) as info:
         load_pretrained(target, source.state_dict())
     assert "xcit_nano_12_p16" in str(info.value)  # says what the checkpoint looks like
 
@@ -110,7 +117,9 @@ def test_missing_and_unexpected_keys_are_named(source):
     state = dict(source.state_dict())
     del state["norm.weight"]
     state["extra.thing"] = torch.zeros(1)
-    with pytest.raises(ValueError, match=r"missing keys \['norm.weight'\]; unexpected keys \['extra.thing'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing keys \['norm.weight'\]; unexpected keys \['extra.thing'\]"
+    ):
         load_pretrained(create_model("xcit_nano_12_p16"), state)
     with pytest.warns(UserWarning, match="1 missing keys"):
         report = load_pretrained(create_model("xcit_nano_12_p16"), state, strict=False)
@@ -135,7 +144,9 @@ def test_corrupt_file_is_reported(tmp_path):
 def test_checkpoint_of_another_architecture(source, tmp_path):
     path = tmp_path / "nano.pth"
     torch.save(source.state_dict(), path)
-    with pytest.raises(ValueError, match="holds a xcit_nano_12_p16 backbone, but xcit_small_12_p16 was requested"):
+    with pytest.raises(
+        ValueError, match="holds a xcit_nano_12_p16 backbone, but xcit_small_12_p16 was requested"
+    ):
         build_backbone(path, name="xcit_small_12_p16")
 
 
@@ -144,3 +155,25 @@ def test_non_xcit_checkpoint_needs_a_name(tmp_path):
     torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, path)
     with pytest.raises(ValueError, match="cannot tell the architecture"):
         build_backbone(path)
+
+
+def test_truncated_depth_is_inferred_and_recorded_kwargs_are_applied(tmp_path):
+    shallow = create_model("xcit_nano_12_p16", depth=4).eval()
+    plain = tmp_path / "plain.pth"
+    torch.save(shallow.state_dict(), plain)
+    assert _same(shallow, build_backbone(plain)) == 0.0  # depth 4 inferred from the block keys
+    ckpt = tmp_path / "run.ckpt"
+    state = {f"teacher.backbone.{k}": v for k, v in shallow.state_dict().items()}
+    torch.save(
+        {
+            "state_dict": state,
+            "hyper_parameters": {"backbone": "xcit_nano_12_p16", "backbone_kwargs": {"depth": 4}},
+        },
+        ckpt,
+    )
+    assert build_backbone(ckpt).depth == 4
+    with pytest.raises(
+        ValueError, match="holds a xcit_nano_12_p16 with depth=4 backbone, but xcit_nano_12_p16 was"
+    ):
+        build_backbone(ckpt, name="xcit_nano_12_p16")
+    assert build_backbone(ckpt, name="xcit_nano_12_p16", depth=4).depth == 4

@@ -11,7 +11,7 @@ import torch
 from ssl_xcit.models import create_model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair(name: str, seed: int = 0):
     torch.manual_seed(seed)
     reference = timm.create_model(name + "_224", num_classes=0)

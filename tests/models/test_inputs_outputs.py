@@ -21,7 +21,9 @@ def test_any_multiple_of_the_patch_works(nano, size):
 
 @pytest.mark.parametrize("size", [(100, 96), (225, 224), (8, 8)])
 def test_other_sizes_name_the_size_and_the_patch(nano, size):
-    with pytest.raises(ValueError, match=rf"input size {size[0]}x{size[1]} is not a multiple of the patch size 16"):
+    with pytest.raises(
+        ValueError, match=rf"input size {size[0]}x{size[1]} is not a multiple of the patch size 16"
+    ):
         nano(torch.randn(1, 3, *size))
 
 

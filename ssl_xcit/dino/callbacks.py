@@ -1,0 +1,177 @@
+"""Online k-NN evaluation of the teacher backbone during DINO pretraining.
+
+The DINO loss says little about feature quality (the DINO authors: watch k-NN, not the loss), so every N
+epochs the teacher backbone embeds a labelled train/val pair from the datamodule (``knn_datasets()``, with an
+evaluation transform) and a weighted k-NN classifier (``ssl_xcit.evaluation.knn``, DINO's ``eval_knn.py``)
+scores the val split. k and T are logged next to the accuracy, so a changed default never passes silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
+
+from ssl_xcit.evaluation.knn import weighted_knn
+
+
+def _labels_of(dataset: Dataset) -> bool:
+    labelled = getattr(dataset, "labelled", None)
+    if labelled is not None:
+        return bool(labelled)
+    targets = getattr(dataset, "targets", None)
+    return targets is not None and len(targets) > 0 and min(targets) >= 0
+
+
+class OnlineKNN(Callback):
+    """Weighted k-NN top-1 (%) of the teacher backbone on the datamodule's labelled val split.
+
+    Args:
+        every_n_epochs: evaluate after every N-th training epoch (and after the last one).
+        k: neighbours (DINO's eval_knn default set is 10/20/100/200; 20 "usually works best").
+        temperature: vote temperature T of ``exp(sim / T)`` (0.07 in DINO).
+        batch_size: images per forward pass for feature extraction.
+        num_workers: dataloader workers for feature extraction.
+        evaluate_at_start: also evaluate before the first step of a fresh run, i.e. the random-init
+            baseline the trained numbers should beat (logged at step 0).
+        max_train_samples: cap the k-NN bank (evenly spaced subset) to bound the cost on large datasets.
+
+    Logs ``knn/top1``, ``knn/k`` and ``knn/temperature``. The teacher backbone is put in eval mode for the
+    feature pass (BN running statistics, no drop path) and its previous mode is restored afterwards.
+    Disabled, with a message, when the datamodule provides no labelled pair.
+    """
+
+    def __init__(
+        self,
+        every_n_epochs: int = 1,
+        k: int = 20,
+        temperature: float = 0.07,
+        batch_size: int = 128,
+        num_workers: int = 0,
+        evaluate_at_start: bool = True,
+        max_train_samples: int | None = None,
+    ) -> None:
+        super().__init__()
+        if every_n_epochs < 1:
+            raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+        self.every_n_epochs = every_n_epochs
+        self.k = k
+        self.temperature = temperature
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.evaluate_at_start = evaluate_at_start
+        self.max_train_samples = max_train_samples
+        self.history: list[dict[str, float]] = []  # {"epoch", "step", "top1"} per evaluation
+        self._datasets: tuple[Dataset, Dataset] | None = None
+        self._disabled_reason: str | None = None
+
+    # ----------------------------------------------------------------------------------------------- data
+    def _resolve(self, trainer: Trainer) -> tuple[Dataset, Dataset] | None:
+        if self._datasets is not None or self._disabled_reason is not None:
+            return self._datasets
+        datamodule = trainer.datamodule
+        getter = getattr(datamodule, "knn_datasets", None)
+        pair = getter() if callable(getter) else None
+        if pair is None:
+            self._disabled_reason = (
+                "the datamodule has no labelled train/val pair (unlabelled data, or no val split)"
+                if callable(getter)
+                else f"{type(datamodule).__name__} has no knn_datasets() method"
+            )
+        else:
+            train, val = pair
+            if not (_labels_of(train) and _labels_of(val)):
+                self._disabled_reason = "the k-NN datasets carry no labels"
+            else:
+                self._datasets = (train, val)
+        if self._disabled_reason:
+            rank_zero_warn(f"Online k-NN disabled: {self._disabled_reason}. Training continues without it.")
+        return self._datasets
+
+    def _loader(self, dataset: Dataset) -> DataLoader:
+        from ssl_xcit.data.datasets import collate_skip_none
+
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            collate_fn=collate_skip_none,
+        )
+
+    @torch.no_grad()
+    def _features(self, backbone: torch.nn.Module, dataset: Dataset, device: torch.device):
+        feats, labels = [], []
+        for batch in self._loader(dataset):
+            if batch is None:  # every image of the batch was unreadable
+                continue
+            images, targets = batch[0], batch[1]
+            feats.append(backbone(images.to(device)).float().cpu())
+            labels.append(torch.as_tensor(targets).long())
+        return torch.cat(feats), torch.cat(labels)
+
+    # --------------------------------------------------------------------------------------- evaluation
+    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> float | None:
+        """Top-1 (%) of the teacher backbone, or None when disabled. Runs on global rank 0 only."""
+        pair = self._resolve(trainer)
+        if pair is None or not trainer.is_global_zero:
+            return None
+        train, val = pair
+        if self.max_train_samples and len(train) > self.max_train_samples:
+            step = len(train) / self.max_train_samples
+            train = torch.utils.data.Subset(train, [int(i * step) for i in range(self.max_train_samples)])
+        backbone = pl_module.teacher.backbone
+        was_training = backbone.training
+        backbone.eval()
+        try:
+            train_f, train_y = self._features(backbone, train, pl_module.device)
+            val_f, val_y = self._features(backbone, val, pl_module.device)
+        finally:
+            backbone.train(was_training)
+        scores = weighted_knn(train_f, train_y, val_f, ks=(self.k,), temperature=self.temperature)[self.k]
+        top1 = 100.0 * float((scores.argmax(dim=1) == val_y).float().mean())
+        self.history.append({"epoch": trainer.current_epoch, "step": trainer.global_step, "top1": top1})
+        rank_zero_info(
+            f"online k-NN (teacher, k={self.k}, T={self.temperature}) epoch {trainer.current_epoch} "
+            f"step {trainer.global_step}: top-1 {top1:.2f}% on {len(val_y)} val images"
+        )
+        return top1
+
+    def _log(self, pl_module: LightningModule, top1: float | None) -> None:
+        if top1 is None:
+            return
+        kw = dict(rank_zero_only=True, on_step=False, on_epoch=True)
+        pl_module.log("knn/top1", top1, prog_bar=True, **kw)
+        pl_module.log("knn/k", float(self.k), **kw)
+        pl_module.log("knn/temperature", float(self.temperature), **kw)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.evaluate_at_start and trainer.global_step == 0:
+            top1 = self.evaluate(trainer, pl_module)
+            if top1 is not None and trainer.is_global_zero:
+                # Logged directly: Lightning's self.log is not allowed in on_train_start.
+                for logger in trainer.loggers:
+                    logger.log_metrics(
+                        {"knn/top1": top1, "knn/k": float(self.k), "knn/temperature": self.temperature},
+                        step=0,
+                    )
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        epoch = trainer.current_epoch + 1
+        last = trainer.max_epochs is not None and epoch >= trainer.max_epochs
+        if epoch % self.every_n_epochs == 0 or last:
+            self._log(pl_module, self.evaluate(trainer, pl_module))
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # `ssl-xcit validate` reports k-NN too; during fit the train-epoch hook above does it.
+        if trainer.state.fn == "validate" and not trainer.sanity_checking:
+            self._log(pl_module, self.evaluate(trainer, pl_module))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))

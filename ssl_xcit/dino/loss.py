@@ -1,0 +1,125 @@
+"""The DINO loss: cross-entropy between the sharpened, centred teacher and the student, over view pairs."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ssl_xcit.dino.schedules import teacher_temperature
+
+
+class DINOLossOutput(NamedTuple):
+    loss: torch.Tensor
+    teacher_entropy: torch.Tensor  # mean entropy of the teacher's per-sample distribution (nats)
+    kl_to_uniform: torch.Tensor  # KL(mean teacher distribution || uniform) (nats)
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class DINOLoss(nn.Module):
+    """Self-distillation loss with centering and teacher sharpening.
+
+    Args:
+        out_dim: number of prototypes K of the head.
+        warmup_teacher_temp: teacher temperature at epoch 0.
+        teacher_temp: teacher temperature after warm-up (> 0.07 is unstable per the reference).
+        warmup_teacher_temp_epochs: epochs of the linear teacher-temperature warm-up.
+        student_temp: student temperature (0.1 in every published run).
+        center_momentum: EMA factor of the center (0.9).
+        num_global_crops: the teacher sees only the first ``num_global_crops`` views.
+
+    Collapse signals: with centering dominating, every teacher output becomes uniform (entropy -> log K,
+    KL-to-uniform -> 0); with sharpening dominating, one prototype wins for every image (entropy -> 0,
+    KL-to-uniform -> log K). Healthy training keeps per-sample entropy low and KL-to-uniform low as well.
+    """
+
+    def __init__(
+        self,
+        out_dim: int,
+        warmup_teacher_temp: float = 0.04,
+        teacher_temp: float = 0.04,
+        warmup_teacher_temp_epochs: int = 0,
+        student_temp: float = 0.1,
+        center_momentum: float = 0.9,
+        num_global_crops: int = 2,
+    ) -> None:
+        super().__init__()
+        self.out_dim = out_dim
+        self.warmup_teacher_temp = warmup_teacher_temp
+        self.teacher_temp = teacher_temp
+        self.warmup_teacher_temp_epochs = warmup_teacher_temp_epochs
+        self.student_temp = student_temp
+        self.center_momentum = center_momentum
+        self.num_global_crops = num_global_crops
+        # A buffer, so it is saved in (and restored from) checkpoints and moved with the module.
+        self.register_buffer("center", torch.zeros(1, out_dim))
+
+    def teacher_temp_at(self, epoch: int) -> float:
+        return teacher_temperature(
+            epoch, self.warmup_teacher_temp, self.teacher_temp, self.warmup_teacher_temp_epochs
+        )
+
+    def forward(
+        self,
+        student_output: torch.Tensor,
+        teacher_output: torch.Tensor,
+        epoch: int,
+        update_center: bool = True,
+    ) -> DINOLossOutput:
+        """``student_output``: (V*B, K) logits of all V views, view-major; ``teacher_output``: (G*B, K)
+        logits of the G global views. Pairs where student and teacher see the same view are skipped."""
+        n_global = self.num_global_crops
+        if teacher_output.shape[0] % n_global:
+            raise ValueError(
+                f"teacher batch {teacher_output.shape[0]} is not a multiple of {n_global} global crops"
+            )
+        batch = teacher_output.shape[0] // n_global
+        if student_output.shape[0] % batch:
+            raise ValueError(
+                f"student batch {student_output.shape[0]} is not a multiple of the per-view batch {batch}"
+            )
+        n_views = student_output.shape[0] // batch
+
+        # Losses in fp32 even under autocast: log-softmax over 65536 prototypes in fp16 loses the tail.
+        student_output = student_output.float()
+        teacher_output = teacher_output.float()
+        student_logp = F.log_softmax(student_output / self.student_temp, dim=-1).chunk(n_views)
+        temp = self.teacher_temp_at(epoch)
+        teacher_probs = F.softmax((teacher_output - self.center) / temp, dim=-1).detach()
+
+        total = student_output.new_zeros(())
+        n_terms = 0
+        for iq, q in enumerate(teacher_probs.chunk(n_global)):
+            for v in range(n_views):
+                if v == iq:
+                    continue  # same view for teacher and student
+                total = total + torch.sum(-q * student_logp[v], dim=-1).mean()
+                n_terms += 1
+        loss = total / n_terms
+
+        with torch.no_grad():
+            entropy = -(teacher_probs * torch.log(teacher_probs.clamp_min(1e-12))).sum(-1).mean()
+            mean_probs = teacher_probs.mean(0)
+            kl_uniform = (mean_probs * torch.log(mean_probs.clamp_min(1e-12))).sum() + math.log(self.out_dim)
+        if update_center:
+            self.update_center(teacher_output)
+        return DINOLossOutput(loss, entropy, kl_uniform)
+
+    @torch.no_grad()
+    def update_center(self, teacher_output: torch.Tensor) -> None:
+        """EMA of the mean teacher logit over the global batch (all processes)."""
+        batch_center = teacher_output.float().sum(dim=0, keepdim=True)
+        count = torch.tensor([float(teacher_output.shape[0])], device=teacher_output.device)
+        if _dist_ready():
+            # Sum the counts too, so ranks with unequal last batches still give the exact global mean.
+            dist.all_reduce(batch_center)
+            dist.all_reduce(count)
+        batch_center = batch_center / count
+        self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)

@@ -1,0 +1,424 @@
+"""DINO as a LightningModule: student/teacher XCiT + DINOHead, the DINO loss, and the reference training step.
+
+One training step, top to bottom (``main_dino.py:train_one_epoch``):
+
+1. set lr (all groups) and weight decay (group 0 only) from the per-iteration schedules at ``global_step``;
+2. teacher forward on the 2 global crops (no grad, train mode), student forward on all crops, batched
+   by resolution (one backbone pass per crop size), DINO loss (+ centre update);
+3. stop with a clear error on a NaN/Inf loss;
+4. backward; per-parameter gradient clipping; last-layer gradients dropped while epoch < freeze_last_layer;
+   optimiser step;
+5. EMA of the student's parameters into the teacher with the per-iteration momentum.
+
+Manual optimisation, on purpose: the reference's order (clip -> cancel last layer -> step -> EMA with the
+momentum of *this* iteration) is explicit in ``training_step`` instead of being spread over hooks, the EMA
+runs once per real optimiser step, and ``global_step`` counts exactly those steps. Clipping and the
+last-layer freeze live in ``on_before_optimizer_step``, which Lightning's precision plugins call after the
+fp16 grad scaler has unscaled the gradients, so the clip threshold is in true gradient units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from ssl_xcit.dino.head import DINOHead
+from ssl_xcit.dino.loss import DINOLoss
+from ssl_xcit.dino.optim import (
+    build_optimizer,
+    cancel_gradients_last_layer,
+    clip_gradients,
+    get_params_groups,
+)
+from ssl_xcit.dino.schedules import cosine_schedule, scaled_lr
+from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
+from ssl_xcit.models import create_model
+
+NUM_GLOBAL_CROPS = 2
+
+
+class MultiCropWrapper(nn.Module):
+    """Backbone + head over a list of crops. Consecutive crops of the same resolution are concatenated and go
+    through the backbone in one call (2 calls for 2 global + N local crops); the head then runs once on all
+    embeddings. Output rows are view-major: [view0 batch, view1 batch, ...]."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, crops: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        if isinstance(crops, torch.Tensor):
+            crops = [crops]
+        embeddings = []
+        start = 0
+        while start < len(crops):
+            end = start + 1
+            while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
+                end += 1
+            embeddings.append(self.backbone(torch.cat(list(crops[start:end]))))
+            start = end
+        return self.head(torch.cat(embeddings))
+
+
+@contextlib.contextmanager
+def _buffers_preserved(module: nn.Module) -> Iterator[None]:
+    """Restore ``module``'s buffers (BN running statistics) on exit: validation forwards in train mode must
+    not leak validation images into the teacher's statistics."""
+    saved = [b.detach().clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, old in zip(module.buffers(), saved, strict=True):
+                buf.copy_(old)
+
+
+def _crops_from_batch(batch: Any) -> list[torch.Tensor]:
+    """The list of crop tensors of a batch: ``(crops, labels, indices)`` from the DINO datamodule, or a bare
+    list of crops."""
+    if isinstance(batch, dict):
+        batch = batch.get("crops", batch.get("images"))
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (list, tuple)):
+        batch = batch[0]
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if not isinstance(batch, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in batch):
+        raise TypeError(
+            f"DINO expects a batch (crops, labels, indices) with crops a list of (B, 3, H, W) tensors, "
+            f"got {type(batch).__name__}"
+        )
+    return list(batch)
+
+
+class DINO(LightningModule):
+    """Self-distillation with no labels (DINO, Caron et al. 2021) for XCiT backbones.
+
+    Defaults are the reference ``main_dino.py`` defaults (see ``recipes/`` for the published XCiT runs).
+
+    Args:
+        backbone: registered model name (``ssl_xcit.models.list_models()``), e.g. ``xcit_small_12_p16``.
+        drop_path_rate: stochastic depth of the *student* only; the teacher is an average and gets none.
+        backbone_kwargs: extra ``create_model`` overrides (e.g. ``{"depth": 4}`` for a tiny test model).
+        out_dim: prototypes K. 65536 for ImageNet; small datasets collapse less with a few thousand.
+        norm_last_layer: freeze the last layer's weight norm at 1 (stable; False is a little better for
+            XCiT-S/ViT-S but can be unstable).
+        use_bn_in_head: BatchNorm in the head MLP (off in the reference ViT/XCiT runs).
+        head_hidden_dim, head_bottleneck_dim, head_nlayers: head shape (2048, 256, 3 in every DINO run).
+        warmup_teacher_temp: teacher temperature at epoch 0. Lower sharpens more (0.02 fights collapse on
+            small data, per the DINO authors).
+        teacher_temp: teacher temperature after warm-up; > 0.07 is unstable.
+        warmup_teacher_temp_epochs: epochs of the linear teacher-temperature warm-up (30 in the paper).
+        student_temp: 0.1 in every published run.
+        center_momentum: EMA of the centre; 0.9.
+        momentum_teacher: EMA momentum at step 0, raised to 1 on a cosine. 0.996 for batch 1024; the authors
+            advise 0.9995 for batch 256, and small datasets train faster with ~0.99.
+        lr: peak learning rate for a total batch of 256 (linearly scaled by ``scale_lr_with_batch``).
+        min_lr: end of the cosine LR schedule.
+        warmup_epochs: linear LR warm-up from 0 (10 in the reference).
+        weight_decay, weight_decay_end: cosine weight-decay schedule 0.04 -> 0.4 on weights only.
+        clip_grad: per-parameter gradient-norm clip (0 disables); 3.0 in the reference.
+        freeze_last_layer: epochs during which the head's last layer is not updated; stabilises the start.
+        optimizer: ``adamw`` (reference default for transformers), ``sgd`` or ``lars`` (for ResNets).
+        scale_lr_with_batch: lr x total batch / 256 with total = per-device batch x devices x nodes x
+            ``accumulate_grad_batches``, as in the reference.
+        accumulate_grad_batches: batches per optimiser step. Manual optimisation does its own accumulation
+            (Lightning's Trainer flag does not apply to it); leave the Trainer's at 1.
+        sync_batchnorm: convert XCiT's BatchNorms (patch embedding, LPI) to synchronised BN under DDP, as
+            the reference does; leave ``Trainer(sync_batchnorm=...)`` off (it cannot run on CPU/gloo).
+        compile: ``torch.compile`` the two backbones (in place: checkpoint keys unchanged).
+    """
+
+    def __init__(
+        self,
+        backbone: str = "xcit_small_12_p16",
+        drop_path_rate: float = 0.1,
+        backbone_kwargs: dict[str, Any] | None = None,
+        out_dim: int = 65536,
+        norm_last_layer: bool = True,
+        use_bn_in_head: bool = False,
+        head_hidden_dim: int = 2048,
+        head_bottleneck_dim: int = 256,
+        head_nlayers: int = 3,
+        warmup_teacher_temp: float = 0.04,
+        teacher_temp: float = 0.04,
+        warmup_teacher_temp_epochs: int = 0,
+        student_temp: float = 0.1,
+        center_momentum: float = 0.9,
+        momentum_teacher: float = 0.996,
+        lr: float = 0.0005,
+        min_lr: float = 1e-6,
+        warmup_epochs: int = 10,
+        weight_decay: float = 0.04,
+        weight_decay_end: float = 0.4,
+        clip_grad: float = 3.0,
+        freeze_last_layer: int = 1,
+        optimizer: Literal["adamw", "sgd", "lars"] = "adamw",
+        scale_lr_with_batch: bool = True,
+        accumulate_grad_batches: int = 1,
+        sync_batchnorm: bool = True,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+        if teacher_temp <= 0 or warmup_teacher_temp <= 0 or student_temp <= 0:
+            raise ValueError("temperatures must be > 0")
+
+        kwargs = dict(backbone_kwargs or {})
+        student_backbone = create_model(backbone, drop_path_rate=drop_path_rate, **kwargs)
+        teacher_backbone = create_model(backbone, drop_path_rate=0.0, **kwargs)
+        embed_dim = student_backbone.embed_dim
+        head_args = dict(
+            in_dim=embed_dim,
+            out_dim=out_dim,
+            use_bn=use_bn_in_head,
+            nlayers=head_nlayers,
+            hidden_dim=head_hidden_dim,
+            bottleneck_dim=head_bottleneck_dim,
+        )
+        self.student = MultiCropWrapper(
+            student_backbone, DINOHead(norm_last_layer=norm_last_layer, **head_args)
+        )
+        self.teacher = MultiCropWrapper(
+            teacher_backbone, DINOHead(norm_last_layer=norm_last_layer, **head_args)
+        )
+        # Teacher starts as an exact copy of the student (parameters and buffers) and never gets gradients.
+        self.teacher.load_state_dict(self.student.state_dict())
+        for p in self.teacher.parameters():
+            p.requires_grad = False
+        self.dino_loss = DINOLoss(
+            out_dim,
+            warmup_teacher_temp=warmup_teacher_temp,
+            teacher_temp=teacher_temp,
+            warmup_teacher_temp_epochs=warmup_teacher_temp_epochs,
+            student_temp=student_temp,
+            center_momentum=center_momentum,
+            num_global_crops=NUM_GLOBAL_CROPS,
+        )
+        self.lr_schedule: np.ndarray | None = None
+        self.wd_schedule: np.ndarray | None = None
+        self.momentum_schedule: np.ndarray | None = None
+        self._compiled = False
+
+    # ----------------------------------------------------------------------------------------- mode, setup
+    def train(self, mode: bool = True) -> DINO:
+        """The teacher always runs in train mode (batch statistics in its BatchNorms), as in the reference,
+        whatever Lightning toggles; evaluation code puts ``teacher.backbone`` in eval mode itself."""
+        super().train(mode)
+        self.teacher.train(True)
+        return self
+
+    def configure_model(self) -> None:
+        world_size = self.trainer.world_size if self._trainer is not None else 1
+        if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
+            device_type = self.trainer.strategy.root_device.type
+            self.student = convert_sync_batchnorm(self.student, device_type)
+            self.teacher = convert_sync_batchnorm(self.teacher, device_type)
+        if self.hparams.compile and not self._compiled:
+            # In-place compile keeps parameter names (no `_orig_mod.`), so checkpoints stay portable.
+            self.student.backbone.compile()
+            self.teacher.backbone.compile()
+            self._compiled = True
+
+    def setup(self, stage: str) -> None:
+        # Every checkpoint goes through an atomic write, however the Trainer was configured.
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        from ssl_xcit.dino.checkpointing import AtomicCheckpointIO
+
+        strategy = self.trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return build_optimizer(self.hparams.optimizer, get_params_groups(self.student))
+
+    # ------------------------------------------------------------------------------------------ schedules
+    def _build_schedules(self, per_device_batch: int) -> None:
+        hp, trainer = self.hparams, self.trainer
+        epochs = trainer.max_epochs
+        if epochs is None or epochs < 1:
+            raise ValueError(
+                f"DINO's cosine schedules need a finite trainer.max_epochs, got {epochs}; set --trainer.max_epochs"
+            )
+        batches = trainer.num_training_batches
+        if not math.isfinite(batches) or batches < 1:
+            raise ValueError(f"DINO needs a sized training dataloader, got {batches} batches per epoch")
+        iters = max(int(batches) // hp.accumulate_grad_batches, 1)
+        if hp.warmup_epochs > epochs:
+            raise ValueError(f"warmup_epochs={hp.warmup_epochs} is longer than trainer.max_epochs={epochs}")
+        total_batch = per_device_batch * trainer.world_size * hp.accumulate_grad_batches
+        peak_lr = scaled_lr(hp.lr, total_batch) if hp.scale_lr_with_batch else hp.lr
+        self.lr_schedule = cosine_schedule(peak_lr, hp.min_lr, epochs, iters, warmup_epochs=hp.warmup_epochs)
+        self.wd_schedule = cosine_schedule(hp.weight_decay, hp.weight_decay_end, epochs, iters)
+        self.momentum_schedule = cosine_schedule(hp.momentum_teacher, 1.0, epochs, iters)
+        rank_zero_info(
+            f"DINO schedules: {epochs} epochs x {iters} steps, total batch {total_batch} "
+            f"({per_device_batch}/device x {trainer.world_size} x {hp.accumulate_grad_batches} accumulated), "
+            f"peak lr {peak_lr:.3g}"
+        )
+
+    def _at(self, schedule: np.ndarray) -> float:
+        # A run extended past its planned length keeps the final values.
+        return float(schedule[min(self.global_step, len(schedule) - 1)])
+
+    # ------------------------------------------------------------------------------------------- training
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Teacher backbone embedding (the network one exports and evaluates)."""
+        return self.teacher.backbone(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        if (
+            batch is None
+        ):  # every image of the batch was unreadable (collate_skip_none); nothing to learn from
+            return None
+        crops = _crops_from_batch(batch)
+        if len(crops) < NUM_GLOBAL_CROPS:
+            raise ValueError(
+                f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
+            )
+        if self.lr_schedule is None:
+            self._build_schedules(per_device_batch=crops[0].shape[0])
+        accumulate = self.hparams.accumulate_grad_batches
+        opt = self.optimizers()
+        lr, wd, momentum = (
+            self._at(self.lr_schedule),
+            self._at(self.wd_schedule),
+            self._at(self.momentum_schedule),
+        )
+        for i, group in enumerate(opt.param_groups):
+            group["lr"] = lr
+            if i == 0:  # only the regularised group
+                group["weight_decay"] = wd
+
+        with torch.no_grad():
+            teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
+        student_output = self.student(crops)
+        out = self.dino_loss(student_output, teacher_output, self.current_epoch)
+        self._check_finite(out.loss)
+
+        self.manual_backward(out.loss / accumulate)
+        if (batch_idx + 1) % accumulate == 0:
+            opt.step()  # -> on_before_optimizer_step: per-parameter clipping, last-layer freeze
+            opt.zero_grad(set_to_none=True)
+            self._update_teacher(momentum)
+
+        batch_size = crops[0].shape[0]
+        log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
+        self.log(
+            "train/loss", out.loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=batch_size
+        )
+        self.log("train/lr", lr, **log)
+        self.log("train/wd", wd, **log)
+        self.log("train/teacher_momentum", momentum, **log)
+        self.log("train/teacher_temp", self.dino_loss.teacher_temp_at(self.current_epoch), **log)
+        self.log("train/teacher_entropy", out.teacher_entropy, **log)
+        self.log("train/kl_to_uniform", out.kl_to_uniform, **log)
+        return out.loss.detach()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Called by the precision plugin after fp16 unscaling; order as in the reference: clip, then cancel.
+        if self.hparams.clip_grad:
+            clip_gradients(self.student, self.hparams.clip_grad)
+        cancel_gradients_last_layer(self.current_epoch, self.student, self.hparams.freeze_last_layer)
+
+    @torch.no_grad()
+    def _update_teacher(self, momentum: float) -> None:
+        """teacher <- m * teacher + (1 - m) * student, over parameters only (buffers are not averaged)."""
+        teacher_params = list(self.teacher.parameters())
+        student_params = [p.detach() for p in self.student.parameters()]
+        torch._foreach_mul_(teacher_params, momentum)
+        torch._foreach_add_(teacher_params, student_params, alpha=1.0 - momentum)
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        finite = bool(torch.isfinite(loss.detach()))
+        finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if finite:
+            return
+        raise FloatingPointError(
+            f"DINO loss is {loss.item()} at global step {self.global_step} (epoch {self.current_epoch}); "
+            f"training stopped. Last good checkpoint: {self._last_checkpoint() or 'none saved yet'}. "
+            "Resume from it with --ckpt_path after lowering lr, using --trainer.precision 32 (fp16 is "
+            "unstable for 8x8 patches), or a lower clip_grad."
+        )
+
+    def _last_checkpoint(self) -> str | None:
+        candidates = []
+        for cb in self.trainer.checkpoint_callbacks:
+            for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
+                if path and Path(path).is_file():
+                    candidates.append(Path(path))
+        if self.trainer.ckpt_path and Path(self.trainer.ckpt_path).is_file():
+            candidates.append(Path(self.trainer.ckpt_path))
+        if not candidates:
+            return None
+        return str(max(candidates, key=lambda p: p.stat().st_mtime))
+
+    # ----------------------------------------------------------------------------------------- validation
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        """DINO loss on held-out multi-crop batches (student in eval mode; centre and teacher statistics
+        untouched). Single-view batches (an evaluation transform) have no loss and are skipped."""
+        if batch is None:
+            return None
+        crops = _crops_from_batch(batch)
+        if len(crops) < NUM_GLOBAL_CROPS + 1:
+            return None
+        with torch.no_grad(), _buffers_preserved(self.teacher):
+            teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
+            student_output = self.student(crops)
+            out = self.dino_loss(student_output, teacher_output, self.current_epoch, update_center=False)
+        kw = dict(on_epoch=True, sync_dist=True, batch_size=crops[0].shape[0])
+        self.log("val/loss", out.loss, prog_bar=True, **kw)
+        self.log("val/teacher_entropy", out.teacher_entropy, **kw)
+        self.log("val/kl_to_uniform", out.kl_to_uniform, **kw)
+        return out.loss
+
+    # ------------------------------------------------------------------------------------- checkpointing
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one.
+        # Stored as tensors and plain Python values so `torch.load(weights_only=True)` accepts them.
+        np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+        py_version, py_state, py_gauss = random.getstate()
+        checkpoint["rng_states"] = {
+            "torch": torch.get_rng_state(),
+            "numpy": [
+                np_kind,
+                torch.from_numpy(np_keys.astype(np.int64)),
+                int(np_pos),
+                int(np_has_gauss),
+                float(np_gauss),
+            ],
+            "python": [py_version, list(py_state), py_gauss],
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
+        # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
+        state = checkpoint.get("rng_states")
+        if not state:
+            return
+        torch.set_rng_state(state["torch"])
+        np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+        np.random.set_state((np_kind, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+        py_version, py_state, py_gauss = state["python"]
+        random.setstate((py_version, tuple(py_state), py_gauss))
+        if (
+            state.get("cuda")
+            and torch.cuda.is_available()
+            and len(state["cuda"]) == torch.cuda.device_count()
+        ):
+            torch.cuda.set_rng_state_all(state["cuda"])

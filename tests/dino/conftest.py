@@ -1,0 +1,83 @@
+"""Tiny DINO models and in-memory multi-crop data, so Lightning runs take seconds on 2 CPU cores."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ssl_xcit.dino.module import DINO
+
+TINY = dict(
+    backbone="xcit_nano_12_p8",
+    backbone_kwargs={"depth": 1},
+    drop_path_rate=0.1,
+    out_dim=64,
+    head_hidden_dim=32,
+    head_bottleneck_dim=16,
+    warmup_epochs=1,
+    lr=0.02,
+    min_lr=1e-4,
+    freeze_last_layer=1,
+)
+
+
+class RandomCrops(Dataset):
+    """``n`` items of 2 global (16 px) + 2 local (8 px) crops. The crops draw from the global torch RNG like a
+    random augmentation would, so a resumed run only matches if RNG states are restored."""
+
+    def __init__(self, n: int = 16, noise: bool = True) -> None:
+        self.n, self.noise = n, noise
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        label = i % 4
+        base = torch.full((3, 16, 16), float(label) - 1.5)
+        base[label % 3] += 1.0
+        crops = []
+        for size in (16, 16, 8, 8):
+            x = base[:, :size, :size].clone()
+            if self.noise:
+                x = x + 0.5 * torch.randn_like(x)
+            crops.append(x)
+        return crops, label, i
+
+
+def tiny_model(**overrides) -> DINO:
+    return DINO(**{**TINY, **overrides})
+
+
+def tiny_trainer(tmp_path, max_epochs: int = 2, callbacks=(), **kwargs) -> L.Trainer:
+    from ssl_xcit.dino.checkpointing import DINOCheckpoint
+
+    return L.Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[*callbacks, DINOCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1)],
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+def tiny_loader(n: int = 16, batch_size: int = 4, shuffle: bool = True, noise: bool = True) -> DataLoader:
+    return DataLoader(RandomCrops(n, noise), batch_size=batch_size, shuffle=shuffle, drop_last=True)
+
+
+@pytest.fixture
+def tiny():
+    """Factories: ``tiny.model(**overrides)``, ``tiny.trainer(tmp_path, ...)``, ``tiny.loader(...)``."""
+
+    class _Tiny:
+        model = staticmethod(tiny_model)
+        trainer = staticmethod(tiny_trainer)
+        loader = staticmethod(tiny_loader)
+
+    return _Tiny

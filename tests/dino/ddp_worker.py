@@ -1,0 +1,107 @@
+"""A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE``.
+
+Run under ``torchrun --nproc_per_node 2`` it is a real 2-process Lightning DDP run on CPU (gloo); with
+WORLD_SIZE 1 it is the single-process reference on the same global batch (8 images per step).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+GLOBAL_BATCH = 8
+STEPS = 2
+
+
+class FixedCrops(Dataset):
+    """Deterministic crops (no RNG), so both runs see identical pixels."""
+
+    def __len__(self) -> int:
+        return GLOBAL_BATCH * STEPS
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(1000 + i)
+        crops = [torch.randn(3, s, s, generator=g) + (i % 3) for s in (16, 16, 8, 8)]
+        return crops, i % 3, i
+
+
+class Record(L.Callback):
+    def __init__(self) -> None:
+        self.losses, self.centers, self.indices = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        self.indices.append(batch[2].tolist())
+        self.centers.append(pl_module.dino_loss.center.detach().clone())
+
+
+def build():
+    from ssl_xcit.dino.module import DINO
+
+    L.seed_everything(0, verbose=False)
+    return DINO(
+        backbone="xcit_nano_12_p8",
+        backbone_kwargs={"depth": 1},
+        drop_path_rate=0.0,  # random masks would differ between the runs
+        out_dim=32,
+        head_hidden_dim=32,
+        head_bottleneck_dim=16,
+        warmup_epochs=0,
+        # SGD: AdamW's division by sqrt(v) turns float noise on near-zero gradients into full-size steps,
+        # which would hide real disagreements behind a loose tolerance.
+        optimizer="sgd",
+        lr=2.0,
+        freeze_last_layer=0,
+    )
+
+
+def initial_student() -> dict:
+    return {k: v.clone() for k, v in build().student.state_dict().items()}
+
+
+def run(out_dir: str | Path, world_size: int) -> dict:
+    model = build()
+    record = Record()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        num_nodes=1,
+        strategy="ddp" if world_size > 1 else "auto",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+        # Lightning's own sampler shuffles; an unshuffled one makes the union of the ranks' batches equal
+        # the single-process batch (rank r gets samples r, r + 2, ...).
+        use_distributed_sampler=False,
+    )
+    dataset = FixedCrops()
+    sampler = None
+    if world_size > 1:
+        sampler = DistributedSampler(
+            dataset, world_size, int(os.environ["RANK"]), shuffle=False, drop_last=True
+        )
+    loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // world_size, sampler=sampler, drop_last=True)
+    trainer.fit(model, loader)
+    result = {
+        "losses": record.losses,
+        "indices": record.indices,
+        "centers": torch.stack(record.centers),
+        "student": {k: v.detach().clone() for k, v in model.student.state_dict().items()},
+        "bn_types": sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}),
+        "world_size": trainer.world_size,
+    }
+    torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}_of{world_size}.pt")
+    return result
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], int(sys.argv[2]))
