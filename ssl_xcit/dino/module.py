@@ -281,9 +281,8 @@ class DINO(LightningModule):
         return self.teacher.backbone(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        if (
-            batch is None
-        ):  # every image of the batch was unreadable (collate_skip_none); nothing to learn from
+        # None: every image of the batch was unreadable (collate_skip_none), so there is nothing to learn from.
+        if batch is None:
             return None
         crops = _crops_from_batch(batch)
         if len(crops) < NUM_GLOBAL_CROPS:

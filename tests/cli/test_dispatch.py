@@ -41,3 +41,23 @@ def test_python_dash_m_exits_zero():
     )
     assert out.returncode == 0, out.stderr
     assert "cls_embedding          [1, 128]" in out.stdout
+
+
+@pytest.mark.parametrize("script", ["lightning", "ssl-xcit"])
+def test_console_scripts_parse_a_recipe_exactly_as_typed(script):
+    import shutil
+    from pathlib import Path
+
+    exe = shutil.which(script) or str(Path(sys.executable).with_name(script))
+    if not Path(exe).exists():
+        pytest.skip(f"console script {script!r} is not installed (pip install -e .)")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [exe, "fit", "-c", "recipes/dino_xcit_s12_8.yaml", "--print_config"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "backbone: xcit_small_12_p8" in out.stdout
