@@ -58,6 +58,11 @@ class DINODataModule(L.LightningDataModule):
         eval_crop: Center crop of the k-NN images (DINO eval: 224; keep it a multiple of the patch size).
         verify_images: Decode every training image at setup to find unreadable files before training (seconds
             for thousands of images; leave off for ImageNet, where they are found lazily in the first epoch).
+        color_jitter: Brightness, contrast, saturation and hue strengths of the colour jitter (DINO: 0.4, 0.4,
+            0.2, 0.1). Raise them when colour is a shortcut: on data whose colours say nothing about content
+            (the built-in shapes) views can otherwise be matched by colour alone.
+        color_jitter_prob: Probability of applying the colour jitter (DINO: 0.8).
+        grayscale_prob: Probability of converting a crop to grayscale (DINO: 0.2).
         knn_bank_limit: Keep at most this many bank images (deterministic stratified subsample) so the online
             k-NN stays cheap on large labelled sets; None keeps all.
     """
@@ -82,6 +87,9 @@ class DINODataModule(L.LightningDataModule):
         local_blur_prob: float = 0.5,
         global_solarize_probs: tuple[float, float] = (0.0, 0.2),
         local_solarize_prob: float = 0.0,
+        color_jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.2, 0.1),
+        color_jitter_prob: float = 0.8,
+        grayscale_prob: float = 0.2,
         eval_resize: int = 256,
         eval_crop: int = 224,
         verify_images: bool = False,
@@ -115,6 +123,9 @@ class DINODataModule(L.LightningDataModule):
             local_blur_prob=local_blur_prob,
             global_solarize_probs=global_solarize_probs,
             local_solarize_prob=local_solarize_prob,
+            color_jitter=color_jitter,
+            color_jitter_prob=color_jitter_prob,
+            grayscale_prob=grayscale_prob,
         )
         self.eval_transform = eval_transform(eval_resize, eval_crop)
         self.train_dataset: ImageDataset | None = None
