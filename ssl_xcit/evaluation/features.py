@@ -358,3 +358,31 @@ def dataset_features(
     if use_cache and is_zero:
         feature_cache.save_cached(cache_dir, split, meta, result)
     return result, False
+
+
+def split_features(
+    train_ds: Any,
+    val_ds: Any,
+    *,
+    weights: str | os.PathLike | None,
+    arch: str | None,
+    config: FeatureConfig,
+    seed: int = 0,
+    **extract: Any,
+) -> tuple[tuple[dict[str, torch.Tensor], bool], tuple[dict[str, torch.Tensor], bool], nn.Module | None]:
+    """Features of a train and a val split through the cache: ``((train, hit), (val, hit), backbone)``.
+
+    The two splits share one backbone, built only if one of them misses the cache (``backbone`` is None when
+    both hit). ``extract`` takes the other keyword arguments of :func:`dataset_features` (cache_dir, ...).
+    """
+    backbone: list[nn.Module] = []
+
+    def shared_backbone() -> nn.Module:
+        if not backbone:
+            backbone.append(build_eval_backbone(weights, arch, seed))
+        return backbone[0]
+
+    common = dict(weights=weights, arch=arch, config=config, seed=seed, model=shared_backbone, **extract)
+    train = dataset_features(train_ds, "train", **common)
+    val = dataset_features(val_ds, "val", **common)
+    return train, val, (backbone[0] if backbone else None)

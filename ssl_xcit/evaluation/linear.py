@@ -489,36 +489,26 @@ def _run_fast(
     trainer_kwargs,
 ) -> dict[str, Any]:
     from ssl_xcit.data.datasets import build_dataset
-    from ssl_xcit.evaluation.features import dataset_features
 
     transform = _eval_transform(resize_size, crop_size)
     train_ds = build_dataset(train, transform=transform)
     val_ds = build_dataset(val, transform=transform)
     check_same_classes(train_ds.classes, val_ds.classes)
-    config = FeatureConfig(n_last_blocks, avgpool_patchtokens)
-    backbone: list[nn.Module] = []
-
-    def shared_backbone() -> nn.Module:
-        if not backbone:
-            backbone.append(features_module.build_eval_backbone(weights, arch, seed))
-        return backbone[0]
-
-    extract = dict(
+    (tr, tr_hit), (va, va_hit), _ = features_module.split_features(
+        train_ds,
+        val_ds,
         weights=weights,
         arch=arch,
-        config=config,
+        config=FeatureConfig(n_last_blocks, avgpool_patchtokens),
+        seed=seed,
         cache_dir=cache_dir,
         use_cache=use_cache,
-        seed=seed,
-        model=shared_backbone,
         batch_size=batch_size,
         num_workers=num_workers,
         accelerator=trainer_kwargs["accelerator"],
         devices=trainer_kwargs["devices"],
         progress=trainer_kwargs["enable_progress_bar"],
     )
-    tr, tr_hit = dataset_features(train_ds, "train", **extract)
-    va, va_hit = dataset_features(val_ds, "val", **extract)
     model = LinearProbe(
         num_classes=len(train_ds.classes),
         feature_dim=tr["features"].shape[1],

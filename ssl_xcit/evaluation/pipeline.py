@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 
 from ssl_xcit.evaluation import features as features_module
 from ssl_xcit.evaluation.cache import checkpoint_fingerprint
@@ -17,7 +16,6 @@ from ssl_xcit.evaluation.features import (
     FeatureConfig,
     check_not_empty,
     check_same_classes,
-    dataset_features,
 )
 from ssl_xcit.evaluation.knn import BACKENDS, DEFAULT_KS, DEFAULT_TEMPERATURE, knn_accuracy
 from ssl_xcit.evaluation.report import format_knn_table
@@ -90,21 +88,16 @@ def evaluate_knn(
         check_same_classes(train_ds.classes, val_ds.classes)
 
     config = FeatureConfig(n_last_blocks, avgpool_patchtokens)
-    backbone: list[nn.Module] = []
-
-    def shared_backbone() -> nn.Module:  # built once, and only if some split misses the cache
-        if not backbone:
-            backbone.append(features_module.build_eval_backbone(weights, arch, seed))
-        return backbone[0]
-
-    extract = dict(
+    t0 = time.perf_counter()
+    (tr, tr_hit), (va, va_hit), backbone = features_module.split_features(
+        train_ds,
+        val_ds,
         weights=weights,
         arch=arch,
         config=config,
+        seed=seed,
         cache_dir=cache_dir,
         use_cache=use_cache,
-        seed=seed,
-        model=shared_backbone,
         batch_size=batch_size,
         num_workers=num_workers,
         accelerator=accelerator,
@@ -112,9 +105,6 @@ def evaluate_knn(
         precision=precision,
         progress=progress,
     )
-    t0 = time.perf_counter()
-    tr, tr_hit = dataset_features(train_ds, "train", **extract)
-    va, va_hit = dataset_features(val_ds, "val", **extract)
     t1 = time.perf_counter()
 
     device = knn_device
@@ -136,7 +126,7 @@ def evaluate_knn(
         "protocol": "knn",
         "weights": str(weights) if weights is not None else None,
         "checkpoint_sha256": checkpoint_fingerprint(weights),
-        "arch": arch or (backbone[0].name if backbone else "inferred from checkpoint"),
+        "arch": arch or (backbone.name if backbone is not None else "inferred from checkpoint"),
         "init": "pretrained" if weights is not None else f"random (seed {seed})",
         "feature": config.name,
         "transform": repr(getattr(train_ds, "transform", None)),
