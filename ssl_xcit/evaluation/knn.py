@@ -225,6 +225,24 @@ def _validate_common(
         )
 
 
+def _chunked_votes(
+    train_features: torch.Tensor,
+    train_labels: torch.Tensor,
+    query_features: torch.Tensor,
+    k_values: list[int],
+    temperature: float,
+    num_classes: int,
+    backend: str,
+    chunk_size: int | None,
+) -> Iterator[dict[int, torch.Tensor]]:
+    """One top-max(k) search; yields, per consecutive query chunk, ``{k: (chunk, num_classes) votes}``."""
+    labels_dev = None
+    for sims, idx in knn_search(train_features, query_features, max(k_values), backend, chunk_size):
+        if labels_dev is None:
+            labels_dev = train_labels.to(idx.device)
+        yield knn_votes(sims, labels_dev[idx], k_values, temperature, num_classes)
+
+
 def weighted_knn(
     train_features: torch.Tensor,
     train_labels: torch.Tensor,
@@ -243,13 +261,11 @@ def weighted_knn(
     _validate_common(train_features, train_labels, query_features, temperature, backend)
     num_classes = num_classes or infer_num_classes(train_labels)
     effective = _effective_ks(ks, train_features.shape[0])
-    kmax = max(effective.values())
     chunks: dict[int, list[torch.Tensor]] = {k: [] for k in effective}
-    labels_dev = None
-    for sims, idx in knn_search(train_features, query_features, kmax, backend, chunk_size):
-        if labels_dev is None:
-            labels_dev = train_labels.to(idx.device)
-        votes = knn_votes(sims, labels_dev[idx], list(effective.values()), temperature, num_classes)
+    k_values = list(effective.values())
+    for votes in _chunked_votes(
+        train_features, train_labels, query_features, k_values, temperature, num_classes, backend, chunk_size
+    ):
         for k, k_eff in effective.items():
             chunks[k].append(votes[k_eff].cpu())
     return {k: torch.cat(v) for k, v in chunks.items()}
@@ -269,8 +285,8 @@ def knn_accuracy(
     """Top-1 / top-5 accuracy (in %) per requested k, plus the parameters that produced them.
 
     Returns ``{k: {"top1", "top5", "k", "k_effective", "temperature", "num_classes", "num_queries"}}``.
-    Top-5 is top-min(5, k, num_classes) as in DINO (a class without votes never counts). Scores are reduced chunk by chunk, so 50 k queries x
-    1000 classes never need the full score matrices in memory.
+    Top-5 is top-min(5, k, num_classes) as in DINO (a class without votes never counts). Scores are reduced
+    chunk by chunk, so 50 k queries x 1000 classes never need the full score matrices in memory.
     """
     train_labels = torch.as_tensor(train_labels).long().view(-1)
     query_labels = torch.as_tensor(query_labels).long().view(-1)
@@ -281,17 +297,16 @@ def knn_accuracy(
         raise ValueError("query labels contain negative values (unlabelled images); accuracy needs labels")
     num_classes = num_classes or infer_num_classes(train_labels, query_labels)
     effective = _effective_ks(ks, train_features.shape[0])
-    kmax = max(effective.values())
     top1 = dict.fromkeys(effective, 0)
     top5 = dict.fromkeys(effective, 0)
     start = 0
-    labels_dev = None
-    for sims, idx in knn_search(train_features, query_features, kmax, backend, chunk_size):
-        if labels_dev is None:
-            labels_dev = train_labels.to(idx.device)
-        targets = query_labels[start : start + idx.shape[0]].to(idx.device)
-        start += idx.shape[0]
-        votes = knn_votes(sims, labels_dev[idx], list(effective.values()), temperature, num_classes)
+    k_values = list(effective.values())
+    for votes in _chunked_votes(
+        train_features, train_labels, query_features, k_values, temperature, num_classes, backend, chunk_size
+    ):
+        chunk = votes[k_values[0]]
+        targets = query_labels[start : start + chunk.shape[0]].to(chunk.device)
+        start += chunk.shape[0]
         for k, k_eff in effective.items():
             n_top = min(5, k_eff, num_classes)
             best = votes[k_eff].topk(n_top, dim=1)
