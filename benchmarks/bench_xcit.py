@@ -2,6 +2,7 @@
 
     python benchmarks/bench_xcit.py                 # full run (a few minutes on 2 cores)
     python benchmarks/bench_xcit.py --quick         # fewer repeats, smaller sizes
+    python benchmarks/bench_xcit.py --components    # XCA and LPI alone vs timm's, 1 thread, CPU time
 
 1. Forward+backward time of XCiT-S12/16 at 224 and 512, ours vs timm's ``xcit_small_12_p16_224`` with the same
    weights. Runs alternate (ours, timm, ours, ...) so machine noise hits both alike; we print medians and the
@@ -68,6 +69,52 @@ def speed(resolutions: list[int], batch: int, repeats: int) -> list[dict]:
             f"ratio ours/timm {med['ours'] / med['timm']:.3f}",
             flush=True,
         )
+    return rows
+
+
+def components(repeats: int) -> list[dict]:
+    """XCA and LPI fwd+bwd alone, ours vs timm's modules with the same weights, on one thread.
+
+    Process CPU time (min of ``repeats``) rather than wall time: it leaves out time spent descheduled, so a
+    component-level difference of a few percent is visible on a shared machine.
+    """
+    from timm.models.xcit import LPI as TimmLPI
+    from timm.models.xcit import XCA as TimmXCA
+
+    from ssl_xcit.models.layers import LPI, XCA
+
+    torch.set_num_threads(1)
+
+    def cpu_time(fn, x) -> float:
+        best = float("inf")
+        for _ in range(repeats + 1):
+            xx = x.detach().requires_grad_()
+            start = time.process_time()
+            fn(xx).pow(2).mean().backward()
+            best = min(best, time.process_time() - start)
+        return best
+
+    rows = []
+    # (batch, grid side): 96 px local crops, 224 px global crops, 512 px.
+    for batch, side in [(16, 6), (4, 14), (1, 32)]:
+        x = torch.randn(batch, side * side, 384)
+        ours_lpi, ref_lpi = LPI(384), TimmLPI(384)
+        ref_lpi.load_state_dict(ours_lpi.state_dict())
+        ours_xca, ref_xca = XCA(384, 8, qkv_bias=True), TimmXCA(384, 8, qkv_bias=True)
+        ref_xca.load_state_dict(ours_xca.state_dict())
+        for name, ours, ref in (
+            ("LPI", lambda t, m=ours_lpi, n=side: m(t, n, n), lambda t, m=ref_lpi, n=side: m(t, n, n)),
+            ("XCA", ours_xca, ref_xca),
+        ):
+            o, r = cpu_time(ours, x), cpu_time(ref, x)
+            rows.append(
+                dict(component=name, batch=batch, tokens=side * side, ours_s=o, timm_s=r, ratio=o / r)
+            )
+            print(
+                f"{name} fwd+bwd batch {batch:2d} x {side * side:4d} tokens x 384: ours {o * 1e3:7.2f} ms  "
+                f"timm {r * 1e3:7.2f} ms  ratio {o / r:.2f}",
+                flush=True,
+            )
     return rows
 
 
@@ -140,12 +187,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="batch size at 224 px (512 px uses a quarter)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--components", action="store_true", help="only time XCA and LPI alone vs timm's")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "RES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _peak_forward_child(args.child[0], int(args.child[1]))
         return
     repeats = 3 if args.quick else args.repeats
+    if args.components:
+        components(max(repeats, 9))
+        return
     batch = 2 if args.quick else args.batch
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if not args.skip_speed:
