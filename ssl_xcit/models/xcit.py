@@ -18,10 +18,11 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.layers import ClassAttentionBlock, ConvPatchEmbed, PositionalEncodingFourier, XCABlock
 
 
-class XCiT(nn.Module):
+class XCiT(Backbone):
     """Cross-covariance image transformer with timm-compatible parameter names.
 
     Args:
@@ -41,6 +42,9 @@ class XCiT(nn.Module):
         tokens_norm: normalise every token (not only CLS) inside the class-attention blocks.
         name: registry name, kept for error messages and checkpoint metadata.
     """
+
+    family = "xcit"
+    has_attention_maps = True
 
     def __init__(
         self,
@@ -67,7 +71,8 @@ class XCiT(nn.Module):
         self.name = name
         self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim
-        self.patch_size = patch_size
+        self.patch_size = self.size_multiple = patch_size
+        self.dense_dim = embed_dim
         self.depth = depth
         self.num_heads = num_heads
         self.grad_checkpointing = False
@@ -203,6 +208,11 @@ class XCiT(nn.Module):
         blocks" linear probes.
         """
         return [self._class_attention(tokens)[0][:, 0] for tokens in self.get_intermediate_layers(x, n)]
+
+    def get_attention_maps(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
+        """Backbone interface: the CLS query's attention over the patch grid, (B, heads, h*w) per block."""
+        maps, grid = self.get_class_attention(x)
+        return [m[..., 1:] for m in maps], grid
 
     def get_class_attention(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
         """Attention of the CLS query over [CLS, patches] per class-attention block: (B, heads, 1 + N) each."""
