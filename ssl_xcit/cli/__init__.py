@@ -55,8 +55,24 @@ def main(argv: Sequence[str] | None = None) -> object:
 
 
 def console_main(argv: Sequence[str] | None = None) -> None:
-    """Console-script entry point: like :func:`main`, but returns nothing, so the exit status is 0 on success.
+    """Console-script entry point: like :func:`main`, but returns nothing, so the exit status is 0 on success,
+    and an expected user error ends in one or two lines and exit status 2 (``ssl_xcit.cli.errors``;
+    ``--traceback`` or ``SSL_XCIT_TRACEBACK=1`` shows the traceback).
 
     (Console-script wrappers call ``sys.exit(entry())``; a returned results dict would be printed as an error.)
     """
-    main(argv)
+    from ssl_xcit.cli.errors import report, traceback_requested, user_error
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    full, args = traceback_requested(args)
+    if full and argv is None:
+        sys.argv = [sys.argv[0], *args]  # the parsers read sys.argv for --traceback too
+    try:
+        main(args)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        cause = None if full else user_error(err)
+        if cause is None:
+            raise
+        report(args[0] if args else "", cause)

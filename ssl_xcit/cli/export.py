@@ -56,7 +56,7 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
     model.load_state_dict(state, strict=True)
     # Plain contiguous CPU tensors, in the model's own key order.
     plain = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    return atomic_torch_save(plain, out_path), name
+    return atomic_torch_save(plain, out_path, private=True), name
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:

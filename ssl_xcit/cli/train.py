@@ -2,26 +2,126 @@
 
 Subclass mode: a config names its model and data classes (``class_path``), so the DINO recipes
 (``ssl_xcit.dino.module.DINO`` + ``ssl_xcit.data.DINODataModule``) and the linear-probe configs of
-``eval/`` run through the same command. Every key is checked by jsonargparse: a typo is an error that names it.
+``eval/`` run through the same command. Every key is checked by jsonargparse: a typo is an error that names it
+and suggests the closest valid key.
+
+What :class:`SSLXCiTCLI` adds to LightningCLI: one folder per run (``ssl_xcit.cli.rundir``: logs and
+checkpoints together, ``--run_dir``, ``--ckpt_path last`` naming the run it resumes), ``num_workers`` capped to
+the usable cores, quiet output (``ssl_xcit.cli.quiet``) and, after ``fit``, where everything is.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
+
+from ssl_xcit.cli.errors import ShortErrorParser
+from ssl_xcit.cli.quiet import cap_workers, install_filters
+from ssl_xcit.cli.rundir import RUN_DIR_ENV, place_run
 
 
 class SSLXCiTCLI(LightningCLI):
-    """LightningCLI with the project's defaults (seed 0, config saved next to the logs, overwritten)."""
+    """LightningCLI with per-run folders, short parse errors with suggestions, capped workers and an end-of-fit
+    summary (see the module docstring)."""
+
+    run_dir: Path | None = None
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--run_dir",
+            type=str | None,
+            default=None,
+            help="Folder of this run's logs and checkpoints (default: a new <trainer.default_root_dir>/version_N, "
+            "or the resumed one with --ckpt_path last)",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        # Lightning re-runs this command in each extra DDP process; they must join the launcher's run folder.
+        child = os.environ.get(RUN_DIR_ENV) if os.environ.get("LOCAL_RANK", "0") != "0" else None
+        self.run_dir, message = place_run(config, self.subcommand or "fit", config.get("run_dir"), child)
+        os.environ[RUN_DIR_ENV] = str(self.run_dir)
+        if child is None:
+            rank_zero_info(message or f"run folder: {self.run_dir}")
+        data_args = getattr(config.get("data"), "init_args", None)
+        if data_args is not None and isinstance(getattr(data_args, "num_workers", None), int):
+            data_args.num_workers = cap_workers(data_args.num_workers)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except BaseException:
+            # A run that never started (bad data path, unknown model) leaves no empty version folder behind.
+            if self.run_dir is not None and not any(p.is_file() for p in self.run_dir.rglob("*")):
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def before_fit(self) -> None:
+        if type(self.model).__name__ == "LinearProbe":
+            # Its backbone is frozen in eval mode on purpose; the notice is kept for every other model (a DINO
+            # student or teacher in eval mode at the start of training is a real problem).
+            warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            print(fit_summary(self.trainer, self.run_dir))
+
+
+def _short(path: Path) -> str:
+    """``path`` relative to the working directory when it lies inside it (Lightning makes dirpaths absolute)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def fit_summary(trainer: Any, run_dir: Path | None) -> str:
+    """Where a finished fit left things: run folder, checkpoints, final k-NN, next commands."""
+    last, kept = None, []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.dirpath:
+            continue
+        folder = Path(callback.dirpath)
+        if (folder / "last.ckpt").is_file():
+            last = folder / "last.ckpt"
+        kept = sorted(p for p in folder.glob("*.ckpt") if p.name != "last.ckpt")
+    lines = [f"run folder: {_short(run_dir)}" if run_dir else "run folder: none (no run folder was set)"]
+    if last is not None:
+        last = Path(_short(last))
+        lines.append(f"last checkpoint: {last}")
+    if kept:
+        lines.append(f"kept checkpoints: {', '.join(p.name for p in kept)}")
+    knn = next((cb for cb in trainer.callbacks if type(cb).__name__ == "OnlineKNN"), None)
+    if knn is not None and knn.history:
+        final = knn.history[-1]
+        lines.append(
+            f"final online k-NN top-1: {final['top1']:.2f}% (k={knn.k}, T={knn.temperature:g}, "
+            f"epoch {final['epoch']}, step {final['step']})"
+        )
+    if last is not None:
+        weights = Path(run_dir or last.parent.parent) / "teacher.pth"
+        lines.append(
+            f"next: ssl-xcit export {shlex.quote(str(last))} {shlex.quote(str(weights))}\n"
+            f"      ssl-xcit knn --weights {shlex.quote(str(weights))} --train DIR --val DIR"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> LightningCLI:
     """Run the CLI on ``argv`` (the subcommand first, e.g. ``["fit", "-c", "recipes/quickstart.yaml"]``;
     default ``sys.argv[1:]``) and return it; ``cli.trainer`` and ``cli.model`` hold the results."""
     with warnings.catch_warnings():
+        install_filters()
         # The dispatcher passes argv explicitly (it equals sys.argv[1:] from the console); not a mistake here.
         warnings.filterwarnings("ignore", message=".*not recommended to provide both args and command line")
         return SSLXCiTCLI(
@@ -32,5 +132,6 @@ def main(argv: Sequence[str] | None = None) -> LightningCLI:
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
             args=None if argv is None else list(argv),
+            parser_class=ShortErrorParser,
             run=True,
         )

@@ -212,6 +212,7 @@ class DINO(LightningModule):
         self.wd_schedule: np.ndarray | None = None
         self.momentum_schedule: np.ndarray | None = None
         self._compiled = False
+        self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
 
     # ----------------------------------------------------------------------------------------- mode, setup
     def train(self, mode: bool = True) -> DINO:
@@ -222,7 +223,7 @@ class DINO(LightningModule):
         return self
 
     def configure_model(self) -> None:
-        world_size = self.trainer.world_size if self._trainer is not None else 1
+        world_size = self.trainer.world_size  # Lightning calls this hook with the trainer attached
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
             device_type = self.trainer.strategy.root_device.type
             self.student = convert_sync_batchnorm(self.student, device_type)
@@ -266,7 +267,8 @@ class DINO(LightningModule):
         self.wd_schedule = cosine_schedule(hp.weight_decay, hp.weight_decay_end, epochs, iters)
         self.momentum_schedule = cosine_schedule(hp.momentum_teacher, 1.0, epochs, iters)
         rank_zero_info(
-            f"DINO schedules: {epochs} epochs x {iters} steps, total batch {total_batch} "
+            f"DINO schedules: {epochs} epoch{'s' * (epochs != 1)} x {iters} step{'s' * (iters != 1)}, "
+            f"total batch {total_batch} "
             f"({per_device_batch}/device x {trainer.world_size} x {hp.accumulate_grad_batches} accumulated), "
             f"peak lr {peak_lr:.3g}"
         )
@@ -378,12 +380,28 @@ class DINO(LightningModule):
         with torch.no_grad(), _buffers_preserved(self.teacher):
             teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
             student_output = self.student(crops)
-            out = self.dino_loss(student_output, teacher_output, self.current_epoch, update_center=False)
+            out = self.dino_loss(student_output, teacher_output, self.trained_epoch, update_center=False)
         kw = dict(on_epoch=True, sync_dist=True, batch_size=crops[0].shape[0])
         self.log("val/loss", out.loss, prog_bar=True, **kw)
         self.log("val/teacher_entropy", out.teacher_entropy, **kw)
         self.log("val/kl_to_uniform", out.kl_to_uniform, **kw)
         return out.loss
+
+    @property
+    def trained_epoch(self) -> int:
+        """The epoch the weights belong to: ``current_epoch`` while fitting; under ``validate``/``test`` the
+        checkpoint's epoch (Lightning restores progress only for ``fit``), so the teacher temperature and the
+        k-NN label match the end-of-fit numbers."""
+        if self._restored_progress is not None and self.trainer.state.fn != "fit":
+            return self._restored_progress[0]
+        return self.current_epoch
+
+    @property
+    def trained_step(self) -> int:
+        """The optimiser steps behind the weights (``global_step``, or the checkpoint's outside ``fit``)."""
+        if self._restored_progress is not None and self.trainer.state.fn != "fit":
+            return self._restored_progress[1]
+        return self.global_step
 
     # ------------------------------------------------------------------------------------- checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -407,6 +425,7 @@ class DINO(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
         # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
+        self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
         state = checkpoint.get("rng_states")
         if not state:
             return

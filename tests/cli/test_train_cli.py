@@ -58,19 +58,20 @@ def image_folder(tmp_path_factory) -> Path:
 
 
 def _tiny_config(tmp_path: Path, image_folder: Path) -> list[str]:
-    run = tmp_path / "run"
+    """A recipe shaped like ours (no paths but default_root_dir) on the tiny image folder; runs go to
+    ``tmp_path/runs/version_N``."""
     config = f"""
 seed_everything: 0
 trainer:
-  default_root_dir: {run}
+  default_root_dir: {tmp_path / "runs"}
   logger:
     - class_path: lightning.pytorch.loggers.CSVLogger
-      init_args: {{save_dir: {run}, name: csv}}
+      init_args: {{save_dir: ., name: csv}}
   callbacks:
     - class_path: ssl_xcit.dino.callbacks.OnlineKNN
       init_args: {{k: 3, evaluate_at_start: true}}
-    - class_path: ssl_xcit.dino.checkpointing.DINOCheckpoint
-      init_args: {{dirpath: {run / "checkpoints"}, every_n_epochs: 1}}
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{filename: "{{epoch:04d}}", every_n_epochs: 1, save_top_k: -1, save_last: true}}
 model:
   class_path: ssl_xcit.dino.module.DINO
 data:
@@ -150,7 +151,7 @@ def fitted(tmp_path_factory, image_folder):
     tmp_path = tmp_path_factory.mktemp("fit")
     args = _tiny_config(tmp_path, image_folder)
     cli = main(["fit", *args])
-    return cli.trainer, args, tmp_path / "run" / "checkpoints" / "last.ckpt"
+    return cli.trainer, args, tmp_path / "runs" / "version_0" / "checkpoints" / "last.ckpt"
 
 
 def test_fit_writes_checkpoints_and_online_knn(fitted):
