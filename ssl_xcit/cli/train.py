@@ -35,6 +35,7 @@ class SSLXCiTCLI(LightningCLI):
     summary (see the module docstring)."""
 
     run_dir: Path | None = None
+    resuming = False
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -51,6 +52,7 @@ class SSLXCiTCLI(LightningCLI):
         child = os.environ.get(RUN_DIR_ENV) if os.environ.get("LOCAL_RANK", "0") != "0" else None
         self.run_dir, message = place_run(config, self.subcommand or "fit", config.get("run_dir"), child)
         os.environ[RUN_DIR_ENV] = str(self.run_dir)
+        self.resuming = config.get("ckpt_path") == str(self.run_dir / "checkpoints" / "last.ckpt")
         if child is None:
             rank_zero_info(message or f"run folder: {self.run_dir}")
         data_args = getattr(config.get("data"), "init_args", None)
@@ -71,6 +73,8 @@ class SSLXCiTCLI(LightningCLI):
             # Its backbone is frozen in eval mode on purpose; the notice is kept for every other model (a DINO
             # student or teacher in eval mode at the start of training is a real problem).
             warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+        if self.resuming:  # the resumed run's own folder: its checkpoints are meant to be there
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
