@@ -83,3 +83,13 @@ def test_checkpoint_fingerprint(tmp_path):
     assert checkpoint_fingerprint(f) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     with pytest.raises(FileNotFoundError, match="weights file not found: .*missing.pth"):
         checkpoint_fingerprint(tmp_path / "missing.pth")
+
+
+def test_feature_cache_entries_are_owner_only(tmp_path):
+    import stat
+
+    from ssl_xcit.evaluation.cache import save_cached
+
+    path = save_cached(tmp_path / "features", "train", {"k": 1}, {"x": torch.zeros(2)})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
