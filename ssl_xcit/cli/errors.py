@@ -109,11 +109,12 @@ class ShortErrorParser(LightningArgumentParser):
         options = [o for action in self._actions for o in action.option_strings]
         suggestion = suggest_key(message, options)
         cause = user_error(ex) if ex is not None else None
-        if cause is not None and not isinstance(cause, type(ex)):
+        if suggestion is None and cause is not None and not isinstance(cause, type(ex)):
             first = short_message(cause)  # the real error under jsonargparse's "Does not validate" wrapper
         else:
             first = _most_specific_line(message)
-        prog = self.prog.replace(" [options]", "")
+        # "__main__.py fit" or "lightning fit" -> "ssl-xcit fit": the name users type
+        prog = " ".join(["ssl-xcit", *self.prog.replace(" [options]", "").split()[1:]])
         lines = [f"{prog}: error: {first}"] + ([suggestion] if suggestion and suggestion not in first else [])
         sys.stderr.write("\n".join(lines) + f"\n{HINT}\n")
         raise SystemExit(EXIT_USER_ERROR)

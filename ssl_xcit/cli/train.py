@@ -13,6 +13,7 @@ the usable cores, quiet output (``ssl_xcit.cli.quiet``) and, after ``fit``, wher
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import warnings
@@ -35,6 +36,7 @@ class SSLXCiTCLI(LightningCLI):
     summary (see the module docstring)."""
 
     run_dir: Path | None = None
+    _announcement: str | None = None
     resuming = False
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -53,22 +55,20 @@ class SSLXCiTCLI(LightningCLI):
         self.run_dir, message = place_run(config, self.subcommand or "fit", config.get("run_dir"), child)
         os.environ[RUN_DIR_ENV] = str(self.run_dir)
         self.resuming = config.get("ckpt_path") == str(self.run_dir / "checkpoints" / "last.ckpt")
-        if child is None:
-            rank_zero_info(message or f"run folder: {self.run_dir}")
+        # Said when the run starts, so a bad input fails with its error alone.
+        self._announcement = None if child is not None else (message or f"run folder: {self.run_dir}")
         data_args = getattr(config.get("data"), "init_args", None)
         if data_args is not None and isinstance(getattr(data_args, "num_workers", None), int):
             data_args.num_workers = cap_workers(data_args.num_workers)
 
-    def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-        except BaseException:
-            # A run that never started (bad data path, unknown model) leaves no empty version folder behind.
-            if self.run_dir is not None and not any(p.is_file() for p in self.run_dir.rglob("*")):
-                shutil.rmtree(self.run_dir, ignore_errors=True)
-            raise
+    def _announce(self) -> None:
+        if self._announcement:
+            rank_zero_info(self._announcement)
+
+    before_validate = before_test = before_predict = _announce
 
     def before_fit(self) -> None:
+        self._announce()
         if type(self.model).__name__ == "LinearProbe":
             # Its backbone is frozen in eval mode on purpose; the notice is kept for every other model (a DINO
             # student or teacher in eval mode at the start of training is a real problem).
@@ -124,18 +124,34 @@ def fit_summary(trainer: Any, run_dir: Path | None) -> str:
 def main(argv: Sequence[str] | None = None) -> LightningCLI:
     """Run the CLI on ``argv`` (the subcommand first, e.g. ``["fit", "-c", "recipes/quickstart.yaml"]``;
     default ``sys.argv[1:]``) and return it; ``cli.trainer`` and ``cli.model`` hold the results."""
-    with warnings.catch_warnings():
-        install_filters()
-        # The dispatcher passes argv explicitly (it equals sys.argv[1:] from the console); not a mistake here.
-        warnings.filterwarnings("ignore", message=".*not recommended to provide both args and command line")
-        return SSLXCiTCLI(
-            LightningModule,
-            LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            seed_everything_default=0,
-            save_config_kwargs={"overwrite": True},
-            args=None if argv is None else list(argv),
-            parser_class=ShortErrorParser,
-            run=True,
-        )
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # a DDP child keeps the folder its launcher chose
+        os.environ.pop(RUN_DIR_ENV, None)
+    try:
+        with warnings.catch_warnings():
+            install_filters()
+            # The dispatcher passes argv explicitly (it equals sys.argv[1:] from the console); not a mistake here.
+            warnings.filterwarnings(
+                "ignore", message=".*not recommended to provide both args and command line"
+            )
+            return SSLXCiTCLI(
+                LightningModule,
+                LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                seed_everything_default=0,
+                save_config_kwargs={"overwrite": True},
+                args=None if argv is None else list(argv),
+                parser_class=ShortErrorParser,
+                run=True,
+            )
+    except BaseException:
+        _remove_if_empty(os.environ.get(RUN_DIR_ENV))
+        raise
+
+
+def _remove_if_empty(run_dir: str | None) -> None:
+    """A run that never started (bad data path, unknown model) leaves no empty version folder behind."""
+    if not run_dir or not re.fullmatch(r"version_\d+", Path(run_dir).name):  # only folders we numbered
+        return
+    if Path(run_dir).is_dir() and not any(p.is_file() for p in Path(run_dir).rglob("*")):
+        shutil.rmtree(run_dir, ignore_errors=True)
