@@ -49,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> object:
     if command not in COMMANDS:
         raise SystemExit(f"ssl-xcit: unknown command {command!r}; valid commands: {', '.join(COMMANDS)}")
     module_name, function = COMMANDS[command]
+    if command != "models":  # `models` stays free of Lightning imports
+        from ssl_xcit.cli.quiet import install_filters
+
+        install_filters()
     entry = getattr(importlib.import_module(module_name), function)
     # LightningCLI parses its own subcommand, so it gets the whole argv.
     return entry(args if command in LIGHTNING_SUBCOMMANDS else args[1:])

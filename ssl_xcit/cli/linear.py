@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train and validate the probe; prints a table, returns (and writes to --output) the results."""
+    from ssl_xcit.cli.quiet import cap_workers
     from ssl_xcit.evaluation.linear import run_linear
     from ssl_xcit.evaluation.report import format_linear_table
 
@@ -58,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         lrs=args.lrs,
         epochs=args.epochs,
         batch_size=args.batch_size,
-        num_workers=args.num_workers,
+        num_workers=cap_workers(args.num_workers, "--num-workers"),
         n_last_blocks=args.n_last_blocks,
         avgpool_patchtokens=args.avgpool_patchtokens,
         crop_size=args.crop_size,

@@ -60,12 +60,32 @@ class SSLXCiTCLI(LightningCLI):
         data_args = getattr(config.get("data"), "init_args", None)
         if data_args is not None and isinstance(getattr(data_args, "num_workers", None), int):
             data_args.num_workers = cap_workers(data_args.num_workers)
+        for callback in config.trainer.callbacks or []:
+            args = getattr(callback, "init_args", None)
+            if args is not None and isinstance(getattr(args, "num_workers", None), int):
+                name = str(getattr(callback, "class_path", "callback")).rsplit(".", 1)[-1]
+                args.num_workers = cap_workers(args.num_workers, f"{name}.num_workers")
 
     def _announce(self) -> None:
         if self._announcement:
             rank_zero_info(self._announcement)
 
-    before_validate = before_test = before_predict = _announce
+    before_predict = _announce
+
+    def _metrics_table_instead(self) -> None:
+        # Lightning's results table prints float32 values in full (0.07000000029802322); ours rounds them.
+        self._announce()
+        if self.config_init[self.subcommand].get("verbose", True):
+            self.config_init[self.subcommand]["verbose"] = False
+            self._print_metrics = True
+
+    before_validate = before_test = _metrics_table_instead
+
+    def _print_metrics_table(self) -> None:
+        if getattr(self, "_print_metrics", False) and self.trainer.is_global_zero:
+            print(metrics_table(self.trainer.callback_metrics, f"{self.subcommand} metrics"))
+
+    after_validate = after_test = _print_metrics_table
 
     def before_fit(self) -> None:
         self._announce()
@@ -79,6 +99,15 @@ class SSLXCiTCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:
             print(fit_summary(self.trainer, self.run_dir))
+
+
+def metrics_table(metrics: dict[str, Any], title: str) -> str:
+    """``name  value`` rows, values to 4 significant digits (float32 noise hidden), sorted by name."""
+    if not metrics:
+        return f"{title}: none logged"
+    width = max(len(name) for name in metrics)
+    rows = [f"{name:<{width}}  {float(value):.4g}" for name, value in sorted(metrics.items())]
+    return "\n".join([title, *rows])
 
 
 def _short(path: Path) -> str:
