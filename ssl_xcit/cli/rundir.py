@@ -67,7 +67,7 @@ def latest_resumable(root: Path) -> Path | None:
     return None
 
 
-def _entries(value: Any) -> list[Any]:
+def as_list(value: Any) -> list[Any]:
     if value is None or isinstance(value, bool):
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
@@ -118,13 +118,13 @@ def place_run(
 
     log_dir = run if subcommand == "fit" else run / subcommand
     trainer.default_root_dir = str(run)
-    for entry in _entries(trainer.logger):
+    for entry in as_list(trainer.logger):
         args = _init_args(entry)
         if args is not None and entry.class_path in _PLACED_LOGGERS:
             # Lightning numbers the sessions inside (csv/version_0, then version_1 after a resume), so a
             # resumed run never deletes the first session's metrics.csv.
             args.save_dir = str(log_dir)
-    for entry in _entries(trainer.callbacks):
+    for entry in as_list(trainer.callbacks):
         args = _init_args(entry)
         if args is not None and entry.class_path in _CHECKPOINT and getattr(args, "dirpath", None) is None:
             args.dirpath = str(run / "checkpoints")

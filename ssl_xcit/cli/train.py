@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -28,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.cli.errors import ShortErrorParser
 from ssl_xcit.cli.quiet import cap_workers, install_filters
-from ssl_xcit.cli.rundir import RUN_DIR_ENV, place_run
+from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, place_run
 
 
 class SSLXCiTCLI(LightningCLI):
@@ -60,7 +61,14 @@ class SSLXCiTCLI(LightningCLI):
         data_args = getattr(config.get("data"), "init_args", None)
         if data_args is not None and isinstance(getattr(data_args, "num_workers", None), int):
             data_args.num_workers = cap_workers(data_args.num_workers)
-        for callback in config.trainer.callbacks or []:
+        callbacks = as_list(config.trainer.callbacks)
+        if config.trainer.enable_model_summary is not False and not any(
+            "ModelSummary" in str(getattr(cb, "class_path", "")) for cb in callbacks
+        ):  # our summary instead of Lightning's default one (no FLOPs column, always 0 here)
+            summary = Namespace(class_path="ssl_xcit.cli.quiet.CompactModelSummary", init_args=Namespace())
+            callbacks.append(summary)
+            config.trainer.callbacks = callbacks
+        for callback in callbacks:
             args = getattr(callback, "init_args", None)
             if args is not None and isinstance(getattr(args, "num_workers", None), int):
                 name = str(getattr(callback, "class_path", "callback")).rsplit(".", 1)[-1]
