@@ -178,13 +178,16 @@ class DINODataModule(L.LightningDataModule):
                 f"verify_images: {bad} of {len(self.train_dataset)} training images are unreadable"
             )
         kind = f"{len(full.classes)} classes" if full.labelled else "unlabelled"
+        unreadable = self.train_dataset.num_skipped if hp.verify_images else 0
+        if unreadable:  # they stay in the index (skipped when drawn); the count says what trains
+            kind += f"; {unreadable} unreadable skipped"
         knn = (
             f"k-NN monitor: {len(self.val_dataset)} labelled queries"
             if self.val_dataset is not None
             else f"k-NN monitor off: {self.knn_unavailable_reason}"
         )
         rank_zero_info(
-            f"DINO data: {len(self.train_dataset)} training images ({kind}) from {train_root}; {knn}"
+            f"DINO data: {len(self.train_dataset) - unreadable} training images ({kind}) from {train_root}; {knn}"
         )
 
     def _check_batches(self, train_root: Path) -> None:
