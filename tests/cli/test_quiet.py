@@ -70,4 +70,8 @@ def test_fit_output_is_quiet(tmp_path, image_folder, caplog, capsys):
         assert noise not in text, noise
     assert "DINO schedules: 1 epoch x 4 steps" in text
     assert "Trainable params" in text  # the summary itself is still there
-    assert "final online k-NN top-1" in text and "last checkpoint:" in text
+    # where things are, at the end of fit
+    run = tmp_path / "runs" / "version_0"
+    assert f"run folder: {run}" in text and f"last checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in text
+    assert "kept checkpoints: epoch=0000.ckpt" in text and "final online k-NN top-1: " in text
+    assert f"next: ssl-xcit export {run / 'checkpoints' / 'last.ckpt'} {run / 'teacher.pth'}" in text
