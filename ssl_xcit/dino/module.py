@@ -122,6 +122,8 @@ class DINO(LightningModule):
         warmup_teacher_temp_epochs: epochs of the linear teacher-temperature warm-up (30 in the paper).
         student_temp: 0.1 in every published run.
         center_momentum: EMA of the centre; 0.9.
+        centering: ``ema`` (DINO's centre) or ``sinkhorn_knopp`` (DINOv2's equipartition of the teacher
+            targets over the batch; keeps small batches on small data out of both collapse modes).
         momentum_teacher: EMA momentum at step 0, raised to 1 on a cosine. 0.996 for batch 1024; the authors
             advise 0.9995 for batch 256, and small datasets train faster with ~0.99.
         lr: peak learning rate for a total batch of 256 (linearly scaled by ``scale_lr_with_batch``).
@@ -138,6 +140,9 @@ class DINO(LightningModule):
         sync_batchnorm: convert XCiT's BatchNorms (patch embedding, LPI) to synchronised BN under DDP, as
             the reference does; leave ``Trainer(sync_batchnorm=...)`` off (it cannot run on CPU/gloo).
         compile: ``torch.compile`` the two backbones (in place: checkpoint keys unchanged).
+        collapse_guard: ``warn`` once, or ``stop`` the run, when the teacher holds a collapse mode for
+            ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.dino.collapse``);
+            ``off`` disables it.
     """
 
     def __init__(
@@ -156,6 +161,7 @@ class DINO(LightningModule):
         warmup_teacher_temp_epochs: int = 0,
         student_temp: float = 0.1,
         center_momentum: float = 0.9,
+        centering: Literal["ema", "sinkhorn_knopp"] = "ema",
         momentum_teacher: float = 0.996,
         lr: float = 0.0005,
         min_lr: float = 1e-6,
@@ -169,6 +175,9 @@ class DINO(LightningModule):
         accumulate_grad_batches: int = 1,
         sync_batchnorm: bool = True,
         compile: bool = False,
+        collapse_guard: Literal["warn", "stop", "off"] = "warn",
+        collapse_patience: int = 50,
+        collapse_grace_steps: int = 100,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -207,6 +216,7 @@ class DINO(LightningModule):
             warmup_teacher_temp_epochs=warmup_teacher_temp_epochs,
             student_temp=student_temp,
             center_momentum=center_momentum,
+            centering=centering,
             num_global_crops=NUM_GLOBAL_CROPS,
         )
         self.lr_schedule: np.ndarray | None = None
@@ -214,6 +224,7 @@ class DINO(LightningModule):
         self.momentum_schedule: np.ndarray | None = None
         self._iters_per_epoch = 0
         self.skipped_batches = 0  # batches skipped because a rank had no readable image
+        self.last_collapse_signals: tuple[float, float] | None = None  # (teacher entropy, KL to uniform)
         self._compiled = False
 
     # ----------------------------------------------------------------------------------------- mode, setup
@@ -268,6 +279,12 @@ class DINO(LightningModule):
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def configure_callbacks(self) -> list:
+        from ssl_xcit.dino.collapse import CollapseGuard
+
+        hp = self.hparams
+        return [CollapseGuard(hp.collapse_guard, hp.collapse_patience, hp.collapse_grace_steps)]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return build_optimizer(self.hparams.optimizer, get_params_groups(self.student))
@@ -380,6 +397,7 @@ class DINO(LightningModule):
         self.log("train/wd", wd, **log)
         self.log("train/teacher_momentum", momentum, **log)
         self.log("train/teacher_temp", self.dino_loss.teacher_temp_at(self.current_epoch), **log)
+        self.last_collapse_signals = (float(out.teacher_entropy), float(out.kl_to_uniform))
         self.log("train/teacher_entropy", out.teacher_entropy, **log)
         self.log("train/kl_to_uniform", out.kl_to_uniform, **log)
         return out.loss.detach()
