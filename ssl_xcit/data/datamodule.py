@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none
+from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, collate_train
 from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
@@ -246,7 +246,7 @@ class DINODataModule(L.LightningDataModule):
             num_workers=workers,
             pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
             persistent_workers=persistent and workers > 0,
-            collate_fn=collate_skip_none,
+            collate_fn=collate_train if train else collate_skip_none,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -51,6 +51,8 @@ def test_s12_8_recipe_builds_the_published_model(tmp_path):
     assert cli.datamodule.hparams.global_crops_scale == (0.3, 1.0) or list(
         cli.datamodule.hparams.global_crops_scale
     ) == [0.3, 1.0]
+    # VISSL's XCiT-DINO colour distortion (strength 0.5): saturation 0.4, not DINO-ViT's 0.2
+    assert list(cli.datamodule.hparams.color_jitter) == [0.4, 0.4, 0.4, 0.1]
 
 
 def test_config_typo_is_named(tmp_path, image_folder, capsys):
