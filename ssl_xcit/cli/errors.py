@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterable
 from typing import NoReturn
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser
 
 TRACEBACK_ENV = "SSL_XCIT_TRACEBACK"
@@ -31,6 +32,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     PermissionError,
     ValueError,
     FloatingPointError,
+    MisconfigurationException,  # Lightning's own "this Trainer setting cannot work"
 )
 HINT = f"(add {TRACEBACK_FLAG} or set {TRACEBACK_ENV}=1 for the full traceback)"
 

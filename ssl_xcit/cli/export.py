@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
         description="Export the teacher backbone of a DINO checkpoint as a plain (timm-compatible) state dict.",
     )
     parser.add_argument(
-        "checkpoint", help="Lightning checkpoint of a DINO run (e.g. runs/quickstart/version_0/checkpoints/last.ckpt)"
+        "checkpoint",
+        help="Lightning checkpoint of a DINO run (e.g. runs/quickstart/version_0/checkpoints/last.ckpt)",
     )
     parser.add_argument("out", help="output .pth file (written atomically)")
     args = parser.parse_args(None if argv is None else list(argv))

@@ -54,6 +54,9 @@ def test_fit_bad_data_root_and_backbone(tmp_path, image_folder, capsys):
     )
     err = _fails(["fit", *args, "--model.init_args.backbone=xcit_bogus"], capsys)
     assert "unknown model 'xcit_bogus'; valid names: xcit_nano_12_p16" in err
+    # Lightning's MisconfigurationException is a user error too
+    err = _fails(["fit", *args, "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], capsys)
+    assert "enable_progress_bar=False" in err
     empty = tmp_path / "empty"
     empty.mkdir()
     err = _fails(["fit", *args, f"--data.init_args.root={empty}"], capsys)
