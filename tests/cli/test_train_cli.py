@@ -38,6 +38,7 @@ def test_s12_8_recipe_builds_the_published_model(tmp_path):
             # this machine has no GPU cluster: only the Trainer's hardware is overridden
             "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1",
             "--trainer.strategy=auto", "--trainer.precision=32", "--trainer.logger=false",
+            f"--run_dir={tmp_path / 'run'}",  # not a version folder in the repo's runs/
         ],
     )  # fmt: skip
     model = cli.model
