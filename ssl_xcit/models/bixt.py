@@ -15,6 +15,7 @@ bi-directional layer, normed by the LN that the final one-sided layer applies to
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from functools import partial
 
@@ -312,9 +313,7 @@ class BiXT(Backbone):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """The latents (B, M, D) after the last layer (the official ``norm_lat`` is the identity with fc_norm)."""
-        for _, lat, _, _, _ in self._run(x):
-            pass
-        return lat
+        return deque(self._run(x), maxlen=1)[0][1]
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         x = self.fc_norm(x.mean(dim=1))
@@ -326,8 +325,7 @@ class BiXT(Backbone):
 
     def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """Tokens (B, N, D) after the last bi-directional layer, normed by the last layer's ``norm1_pat``."""
-        for _, _, pat, _, grid in self._run(x, stop=self.depth - 2):
-            pass
+        _, _, pat, _, grid = deque(self._run(x, stop=self.depth - 2), maxlen=1)[0]
         return self.blocks[-1].cross_attention_latents_token.norm1_pat(pat), grid
 
     # -------------------------------------------------------- evaluation access
@@ -359,10 +357,8 @@ class BiXT(Backbone):
         Each latent's row is a softmax over tokens, so the mean is again a distribution over the patch grid, as a
         CLS attention map is: the tokens the global embedding reads from.
         """
-        maps, grid = [], (0, 0)
-        for _, _, _, attn, grid in self._run(x):
-            maps.append(attn.mean(dim=2))
-        return maps, grid
+        steps = list(self._run(x))
+        return [attn.mean(dim=2) for _, _, _, attn, _ in steps], steps[-1][4]
 
 
 def _drop_fixed_pos_buffer(state_dict: dict, prefix: str, *args) -> None:

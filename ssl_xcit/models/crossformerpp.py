@@ -14,6 +14,7 @@ descriptors.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -355,9 +356,7 @@ class CrossFormerPP(Backbone):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """Stage-4 tokens after the final LN, (B, H/32 * W/32, 8C)."""
-        for _, _, tokens, _ in self._blocks(x):
-            pass
-        return self.norm(tokens)
+        return self.norm(deque(self._blocks(x), maxlen=1)[0][2])
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         x = x.mean(dim=1)
