@@ -205,6 +205,8 @@ class BiXT(Backbone):
         drop_rate, attn_drop_rate: dropout on projections / attention weights.
         sa_drop_path_rate, ca_drop_path_rate: stochastic depth of the latent self-attention blocks and of both
             streams of the cross-attention blocks, each linear from 0 over depth (official rule).
+        drop_path_rate: when given, the rate of both (the toolkit's common stochastic-depth argument; the v1
+            paper uses one value, 0.05, for SA and CA).
         num_classes: linear head on the embedding (zero-initialised); 0 returns the embedding.
         name: registry name, for error messages and checkpoint metadata.
     """
@@ -230,6 +232,7 @@ class BiXT(Backbone):
         attn_drop_rate: float = 0.0,
         sa_drop_path_rate: float = 0.0,
         ca_drop_path_rate: float = 0.0,
+        drop_path_rate: float | None = None,
         name: str = "bixt",
     ) -> None:
         super().__init__()
@@ -237,6 +240,8 @@ class BiXT(Backbone):
             raise ValueError(
                 f"BiXT needs depth >= 2 (bi-directional layers + the one-sided last), got {depth}"
             )
+        if drop_path_rate is not None:
+            sa_drop_path_rate = ca_drop_path_rate = drop_path_rate
         self.name = name
         self.num_classes = num_classes
         self.num_features = self.embed_dim = self.dense_dim = embed_dim

@@ -196,3 +196,12 @@ def test_sizes_off_the_token_stride_are_rejected(stride, size):
 def test_unknown_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="bixt_ti_l64_p16, bixt_ti_l64_p16s8"):
         create("bixt_xl")
+
+
+def test_drop_path_rate_sets_both_streams_linearly():
+    model = tiny(depth=3, drop_path_rate=0.2)
+    last = model.blocks[-1]
+    assert last.self_attention_latents.drop_path1.drop_prob == pytest.approx(0.2)
+    assert last.cross_attention_latents_token.drop_path1_lat.drop_prob == pytest.approx(0.2)
+    assert model.blocks[1].cross_attention_latents_token.drop_path1_pat.drop_prob == pytest.approx(0.1)
+    assert isinstance(model.blocks[0].self_attention_latents.drop_path1, torch.nn.Identity)
