@@ -141,9 +141,11 @@ class Attention(nn.Module):
         qkv = self.qkv(x).reshape(batch, bg // batch, n, 3, self.num_heads, c // self.num_heads)
         q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).unbind(0)  # (B, groups, heads, N, head_dim)
         attn = (q * self.scale) @ k.transpose(-2, -1) + self.pos(group).to(q.dtype)
-        if mask is not None:
-            attn = attn + mask.to(attn.device, attn.dtype)[:, None]
-        attn = self.attn_drop(attn.softmax(dim=-1))
+        if mask is not None:  # in float32: -1e6 would become -inf in fp16 and NaN for fully padded groups
+            attn = (attn.float() + mask.to(attn.device)[:, None]).softmax(dim=-1).to(v.dtype)
+        else:
+            attn = attn.softmax(dim=-1)
+        attn = self.attn_drop(attn)
         x = (attn @ v).transpose(2, 3).reshape(bg, n, c)
         return self.proj_drop(self.proj(x))
 

@@ -185,3 +185,11 @@ def test_sizes_that_are_not_multiples_of_32_are_rejected(size):
 def test_unknown_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="crossformerpp_small, crossformerpp_base"):
         create("crossformerpp_tiny")
+
+
+def test_padding_masks_survive_half_precision():
+    """Stage-1 LDA pads 24 -> 32 at 96 px; the -1e6 mask must not turn into -inf/NaN under bf16/fp16."""
+    model = tiny().to(torch.bfloat16)
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, 96, 96, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
