@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.bixt import VARIANTS, BiXT, create
@@ -205,3 +206,11 @@ def test_drop_path_rate_sets_both_streams_linearly():
     assert last.cross_attention_latents_token.drop_path1_lat.drop_prob == pytest.approx(0.2)
     assert model.blocks[1].cross_attention_latents_token.drop_path1_pat.drop_prob == pytest.approx(0.1)
     assert isinstance(model.blocks[0].self_attention_latents.drop_path1, torch.nn.Identity)
+
+
+@pytest.mark.parametrize(("size", "paper"), [(224, 1.68), (96, 0.86)])
+def test_macs_match_the_paper_within_3_percent(ti16, size, paper):
+    """backbones.md 0 (fvcore, which also counts a few element-wise ops): 1.68 G at 224, 0.86 G at 96."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        ti16(torch.randn(1, 3, size, size))
+    assert counter.get_total_flops() / 2e9 == pytest.approx(paper, rel=0.03)
