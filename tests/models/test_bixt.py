@@ -209,8 +209,9 @@ def test_drop_path_rate_sets_both_streams_linearly():
 
 
 @pytest.mark.parametrize(("size", "paper"), [(224, 1.68), (96, 0.86)])
-def test_macs_match_the_paper_within_3_percent(ti16, size, paper):
-    """backbones.md 0 (fvcore, which also counts a few element-wise ops): 1.68 G at 224, 0.86 G at 96."""
+def test_macs_match_the_paper(ti16, size, paper):
+    """backbones.md 0 (fvcore): 1.68 G at 224, 0.86 G at 96. torch's counter misses the CPU-fused latent
+    self-attention (12 x 2 x 64^2 x 192 = 0.019 G) and fvcore adds a few element-wise ops: 0.03 G slack."""
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         ti16(torch.randn(1, 3, size, size))
-    assert counter.get_total_flops() / 2e9 == pytest.approx(paper, rel=0.03)
+    assert counter.get_total_flops() / 2e9 == pytest.approx(paper, abs=0.03)
