@@ -293,6 +293,15 @@ class BiXT(Backbone):
                 lecun_normal_(m.weight)
                 nn.init.zeros_(m.bias)
 
+    def check_input(self, x: Tensor) -> None:
+        """ValueError naming the size when a side is not a multiple of the tokenizer's stride."""
+        try:
+            super().check_input(x)
+        except ValueError as err:
+            if x.ndim != 4:
+                raise
+            raise ValueError(f"{err}; the tokenizer's stride is {self.size_multiple}") from None
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute block activations in the backward pass: less memory for long token sequences."""
         self.grad_checkpointing = enable

@@ -325,6 +325,15 @@ class CrossFormerPP(Backbone):
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.apply(_init_weights)
 
+    def check_input(self, x: Tensor) -> None:
+        """ValueError naming the size when a side is not a multiple of 32 (the total stride of the 4 stages)."""
+        try:
+            super().check_input(x)
+        except ValueError as err:
+            if x.ndim != 4:
+                raise
+            raise ValueError(f"{err}; CrossFormer++ embeds at stride 4 and halves the map 3 times") from None
+
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute block activations in the backward pass: less memory for high resolutions."""
         self.grad_checkpointing = enable

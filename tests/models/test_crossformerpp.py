@@ -179,7 +179,10 @@ def test_gradients_reach_every_parameter():
 def test_sizes_that_are_not_multiples_of_32_are_rejected(size):
     model = tiny()
     assert model.size_multiple == 32
-    with pytest.raises(ValueError, match=rf"input size {size[0]}x{size[1]} .*multiples of 32"):
+    with pytest.raises(
+        ValueError,
+        match=rf"input size {size[0]}x{size[1]} .*multiples of 32 .*stride 4 and halves the map 3 times",
+    ):
         model(torch.randn(1, 3, *size))
 
 
