@@ -323,6 +323,7 @@ class CrossFormerPP(Backbone):
         )
         self.norm = nn.LayerNorm(self.num_features)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self._register_load_state_dict_pre_hook(_drop_size_bound_buffers)
         self.apply(_init_weights)
 
     def check_input(self, x: Tensor) -> None:
@@ -418,6 +419,16 @@ def _init_weights(module: nn.Module) -> None:
         trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
+
+
+_SIZE_BOUND = (".attn.biases", ".attn.relative_position_index", ".attn_mask")
+
+
+def _drop_size_bound_buffers(state_dict: dict, prefix: str, *args) -> None:
+    """Checkpoints of the v1 code store DPB offsets, index and masks built for one image size (backbones.md 5.7);
+    they are recomputed per input here, so they are dropped rather than reported as unexpected keys."""
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(_SIZE_BOUND)]:
+        del state_dict[key]
 
 
 def create(name: str, **overrides) -> CrossFormerPP:

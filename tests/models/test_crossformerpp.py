@@ -204,3 +204,16 @@ def test_macs_at_224_match_the_paper(small):
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         small(torch.randn(1, 3, 224, 224))
     assert 4.39 <= counter.get_total_flops() / 2e9 <= 4.45
+
+
+def test_checkpoints_with_size_bound_buffers_load_strictly():
+    """v1-code checkpoints also hold the DPB offset table, index and mask buffers of one image size."""
+    model = tiny()
+    state = model.state_dict()
+    state["layers.0.blocks.1.attn.biases"] = torch.zeros(49, 2)
+    state["layers.0.blocks.1.attn.relative_position_index"] = torch.zeros(16, 16, dtype=torch.long)
+    state["layers.0.blocks.1.attn_mask"] = torch.zeros(16, 16, 16)
+    tiny().load_state_dict(state, strict=True)
+    state["layers.0.blocks.1.attn.unknown"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="attn.unknown"):
+        tiny().load_state_dict(state, strict=True)
