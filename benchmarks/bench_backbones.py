@@ -1,6 +1,7 @@
 """Forward+backward cost of each backbone family's small variant next to XCiT-S12/16, on CPU, batch 1.
 
-    python benchmarks/bench_backbones.py                    # default run (about 10 minutes on a shared 2-core CPU)
+    python benchmarks/bench_backbones.py                    # default run (~9 min wall on a busy shared 2-core CPU)
+    python benchmarks/bench_backbones.py --repeats 2        # the README figures (~12 min there)
     python benchmarks/bench_backbones.py --quick            # 224 and 96 px only, one timed repeat
     python benchmarks/bench_backbones.py --full             # also CaiT at 768/1024 px (tens of GB, very slow)
 
