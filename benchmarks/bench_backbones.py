@@ -1,7 +1,7 @@
 """Forward+backward cost of each backbone family's small variant next to XCiT-S12/16, on CPU, batch 1.
 
     python benchmarks/bench_backbones.py                    # default run (~9 min wall on a busy shared 2-core CPU)
-    python benchmarks/bench_backbones.py --repeats 2        # the README figures (~12 min there)
+    python benchmarks/bench_backbones.py --repeats 2        # figures quoted for issue 9 (~12 min there)
     python benchmarks/bench_backbones.py --quick            # 224 and 96 px only, one timed repeat
     python benchmarks/bench_backbones.py --full             # also CaiT at 768/1024 px (tens of GB, very slow)
 
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="224 and 96 px only, one timed repeat")
     parser.add_argument("--full", action="store_true", help="also run quadratic models above 512 px")
     parser.add_argument(
-        "--repeats", type=int, default=2, help="timed fwd+bwd passes per point (fastest kept)"
+        "--repeats", type=int, default=1, help="timed fwd+bwd passes per point (fastest kept)"
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--json", help="also write the rows to this JSON file")
