@@ -143,6 +143,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     scores = weighted_knn(bank_f, bank_y, query_f, ks=(20,), temperature=0.07)[20]
     pixels = 100.0 * float((scores.argmax(1) == query_y).float().mean())
+    student = model.student.backbone.eval()
+    bank_f, _ = knn._features(student, bank, torch.device("cpu"))
+    query_f, _ = knn._features(student, queries, torch.device("cpu"))
+    scores = weighted_knn(bank_f, bank_y, query_f, ks=(20,), temperature=0.07)[20]
+    student_top1 = 100.0 * float((scores.argmax(1) == query_y).float().mean())
     tail = max(1, len(signals.entropy) // 10)
     result = {
         "tag": args.tag,
@@ -156,6 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "knn_random_init": knn.history[0]["top1"],
         "knn_dino": knn.history[-1]["top1"],
         "knn_raw_pixels": pixels,
+        "knn_student": student_top1,
         "knn_history": knn.history,
         "final_entropy": sum(signals.entropy[-tail:]) / tail,
         "final_kl_to_uniform": sum(signals.kl[-tail:]) / tail,
@@ -165,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"RESULT {args.tag or '-'} | {args.data} | {trainer.global_step} steps {minutes:.1f} min | "
         f"k-NN DINO {result['knn_dino']:.2f} random {result['knn_random_init']:.2f} "
-        f"pixels {pixels:.2f} | entropy {result['final_entropy']:.3f} KL {result['final_kl_to_uniform']:.3f}"
+        f"pixels {pixels:.2f} student {student_top1:.2f} | entropy {result['final_entropy']:.3f} KL {result['final_kl_to_uniform']:.3f}"
     )
     if args.json:
         with open(args.json, "a") as f:
