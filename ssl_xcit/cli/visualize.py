@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("attention", help="per-head attention of the global query over the image")
     _common(p)
     p.add_argument("images", nargs="+", help="image files")
-    p.add_argument("--size", type=int, default=224, help="longer side in px (any multiple of the patch, e.g. 768)")
+    p.add_argument(
+        "--size", type=int, default=224, help="longer side in px (any multiple of the patch, e.g. 768)"
+    )
     p.add_argument("--layer", type=int, default=-1, help="attention block (default the last)")
     p.add_argument("--threshold", type=float, default=0.6, help="attention mass outlined on the mean map")
     p = sub.add_parser("pca", help="first three PCA components of the patch tokens as RGB, fitted jointly")
@@ -52,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--train", required=True, help="labelled training images (class subfolders)")
     p.add_argument("--queries", nargs="+", required=True, help="image files, or a labelled folder")
-    p.add_argument("--num-queries", type=int, default=5, help="queries taken from a folder (spread over classes)")
+    p.add_argument(
+        "--num-queries", type=int, default=5, help="queries taken from a folder (spread over classes)"
+    )
     p.add_argument("--k", type=int, default=8, help="neighbours per query")
     p.add_argument("--per-class", type=int, default=None, help="at most this many training images per class")
     p.add_argument("--size", type=int, default=224, help="square input size")
@@ -60,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("retrieval", help="top-10 of each query, marked positive / junk / negative")
     _common(p)
     p.add_argument("--results", default=None, help="results JSON of `ssl-xcit retrieval --output`")
-    p.add_argument("--dataset", default=None, help="without --results: benchmark (holidays, ukbench, json, ...)")
+    p.add_argument(
+        "--dataset", default=None, help="without --results: benchmark (holidays, ukbench, json, ...)"
+    )
     p.add_argument("--data-root", default=None, help="without --results: the benchmark's folder or JSON")
     p.add_argument("--method", default="cls", help="without --results: cls, vlad or asmk")
     p.add_argument("--resolution", type=int, default=768, help="without --results: longer side in px")
@@ -123,6 +129,10 @@ def render(args: argparse.Namespace) -> Path:
         model = _backbone(args)
         bank_paths, bank_labels = nb.labelled_images(args.train, args.per_class)
         query_paths, query_labels = _queries(args, set(bank_labels))
+        # A query found in the bank would be its own first neighbour: leave it out, as a held-out image.
+        held_out = {p.resolve() for p in query_paths}
+        kept = [i for i, p in enumerate(bank_paths) if p.resolve() not in held_out]
+        bank_paths, bank_labels = [bank_paths[i] for i in kept], [bank_labels[i] for i in kept]
         bank = nb.embed(model, bank_paths, args.size, args.batch_size, show)
         queries = nb.embed(model, query_paths, args.size, args.batch_size, show)
         result = nb.find_neighbours(bank, bank_paths, bank_labels, queries, query_paths, query_labels, args.k)
@@ -136,10 +146,18 @@ def render(args: argparse.Namespace) -> Path:
             from ssl_xcit.retrieval import RetrievalConfig, load_dataset, run_retrieval
 
             if not (args.dataset and args.data_root):
-                raise ValueError("give --results JSON, or --dataset and --data-root (with --weights or --arch)")
+                raise ValueError(
+                    "give --results JSON, or --dataset and --data-root (with --weights or --arch)"
+                )
             config = RetrievalConfig(
-                args.dataset, args.data_root, method=args.method, weights=args.weights, arch=args.arch,
-                resolution=args.resolution, train_images=args.train_images, cache_dir=args.cache_dir,
+                args.dataset,
+                args.data_root,
+                method=args.method,
+                weights=args.weights,
+                arch=args.arch,
+                resolution=args.resolution,
+                train_images=args.train_images,
+                cache_dir=args.cache_dir,
                 progress=show,
             )
             ranks = run_retrieval(config, _backbone(args))["top_ranks"]

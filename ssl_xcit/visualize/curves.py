@@ -66,7 +66,11 @@ def _out_dim(metrics: Path) -> int | None:
     import yaml
 
     data = yaml.safe_load(hparams.read_text()) or {}
-    for source in (data, data.get("model", {}) or {}, (data.get("model", {}) or {}).get("init_args", {}) or {}):
+    for source in (
+        data,
+        data.get("model", {}) or {},
+        (data.get("model", {}) or {}).get("init_args", {}) or {},
+    ):
         if isinstance(source, dict) and isinstance(source.get("out_dim"), int):
             return source["out_dim"]
     return None
@@ -86,7 +90,11 @@ def read_metrics(run: str | os.PathLike, out_dim: int | None = None) -> RunMetri
     for column in rows[0]:
         if column in ("step", "epoch"):
             continue
-        pairs = [(float(r["step"]), float(r[column])) for r in rows if r.get(column) not in (None, "") and r["step"]]
+        pairs = [
+            (float(r["step"]), float(r[column]))
+            for r in rows
+            if r.get(column) not in (None, "") and r["step"]
+        ]
         if pairs:
             steps, values = np.array(pairs).T
             series[column] = (steps, values)
@@ -143,7 +151,9 @@ def curves_figure(metrics: RunMetrics):
             for i, (a, b) in enumerate(regions[kind]):
                 ax.axvspan(a, b, color=colour, alpha=0.2, label=f"collapse: {kind}" if i == 0 else None)
         if metrics.out_dim and column == "train/teacher_entropy":
-            ax.axhline(math.log(metrics.out_dim), color="grey", ls="--", lw=0.8, label=f"ln K = ln {metrics.out_dim}")
+            ax.axhline(
+                math.log(metrics.out_dim), color="grey", ls="--", lw=0.8, label=f"ln K = ln {metrics.out_dim}"
+            )
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     if drawn == 0:
@@ -151,6 +161,9 @@ def curves_figure(metrics: RunMetrics):
         raise VisualizeError(
             f"{metrics.path} holds none of the DINO columns ({', '.join(c[0] for c, _ in PANELS)})"
         )
-    fig.suptitle(f"training curves: {metrics.path.parent.parent.name}/{metrics.path.parent.name}/metrics.csv", fontsize=9)
+    fig.suptitle(
+        f"training curves: {metrics.path.parent.parent.name}/{metrics.path.parent.name}/metrics.csv",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig

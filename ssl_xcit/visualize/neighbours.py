@@ -54,7 +54,10 @@ def labelled_images(root: str | os.PathLike, per_class: int | None = None) -> tu
 
 @torch.no_grad()
 def embed(
-    model: nn.Module, paths: Sequence[str | os.PathLike], size: int = 224, batch_size: int = 32,
+    model: nn.Module,
+    paths: Sequence[str | os.PathLike],
+    size: int = 224,
+    batch_size: int = 32,
     show_progress: bool = True,
 ) -> Tensor:
     """The global embeddings ``model(x)`` (N, embed_dim) of square-resized images, in batches."""
@@ -62,30 +65,47 @@ def embed(
     out = []
     chunks = range(0, len(paths), batch_size)
     for start in progress(chunks, total=len(chunks), desc="embedding", enabled=show_progress):
-        batch = torch.stack([prepare(read_image(p), size, model.size_multiple, square=True)[0]
-                             for p in paths[start : start + batch_size]])
+        batch = torch.stack(
+            [
+                prepare(read_image(p), size, model.size_multiple, square=True)[0]
+                for p in paths[start : start + batch_size]
+            ]
+        )
         out.append(model(batch).float())
     return torch.cat(out)
 
 
 def find_neighbours(
-    bank: Tensor, bank_paths: Sequence[Path], bank_labels: Sequence[str], queries: Tensor,
-    query_paths: Sequence[Path], query_labels: Sequence[str | None], k: int = 8,
+    bank: Tensor,
+    bank_paths: Sequence[Path],
+    bank_labels: Sequence[str],
+    queries: Tensor,
+    query_paths: Sequence[Path],
+    query_labels: Sequence[str | None],
+    k: int = 8,
 ) -> Neighbours:
     """Top-``k`` cosine neighbours of every query in the bank, via the k-NN evaluation's search."""
     if k < 1:
         raise VisualizeError(f"k must be a positive integer, got {k}")
     sims, idx = zip(*knn_search(bank, queries, k), strict=True)
-    return Neighbours(list(query_paths), list(query_labels), list(bank_paths), list(bank_labels),
-                      torch.cat(idx), torch.cat(sims))
+    return Neighbours(
+        list(query_paths),
+        list(query_labels),
+        list(bank_paths),
+        list(bank_labels),
+        torch.cat(idx),
+        torch.cat(sims),
+    )
 
 
 def panel_titles(result: Neighbours, q: int) -> list[tuple[str, bool]]:
     """``(title, wrong)`` of each neighbour panel of query ``q``: label and similarity, wrong if labels differ."""
     truth = result.query_labels[q]
     return [
-        (f"{label} {float(s):.2f}" + (" ✗" if truth is not None and label != truth else ""),
-         truth is not None and label != truth)
+        (
+            f"{label} {float(s):.3f}" + (" ✗" if truth is not None and label != truth else ""),
+            truth is not None and label != truth,
+        )
         for label, s in zip(result.labels(q), result.similarities[q], strict=True)
     ]
 
@@ -95,15 +115,19 @@ def neighbours_figure(result: Neighbours, size: int = 96):
     import matplotlib.pyplot as plt
 
     n_q, k = result.indices.shape
-    fig, axes = plt.subplots(n_q, k + 1, figsize=(1.5 * (k + 1), 1.7 * n_q), squeeze=False)
+    fig, axes = plt.subplots(n_q, k + 1, figsize=(1.5 * (k + 1), 1.9 * n_q), squeeze=False)
     for q in range(n_q):
         pictures = [result.query_paths[q]] + [result.bank_paths[int(i)] for i in result.indices[q]]
         titles = [(f"query: {result.query_labels[q] or '?'}", False), *panel_titles(result, q)]
         for c, (path, (title, wrong)) in enumerate(zip(pictures, titles, strict=True)):
             ax = axes[q, c]
             ax.imshow(np.asarray(read_image(path).resize((size, size))))
-            ax.set_title(title, fontsize=7, color="red" if wrong else "black",
-                         fontweight="bold" if c == 0 else "normal")
+            ax.set_title(
+                title,
+                fontsize=7,
+                color="red" if wrong else "black",
+                fontweight="bold" if c == 0 else "normal",
+            )
             ax.set_xticks([])
             ax.set_yticks([])
             for spine in ax.spines.values():

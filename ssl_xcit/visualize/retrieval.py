@@ -66,8 +66,11 @@ def load_results(path: str | os.PathLike) -> tuple[RetrievalDataset, list[list[i
             f"{path} is not a results JSON of `ssl-xcit retrieval --output` (missing {error})"
         ) from error
     dataset = load_dataset(
-        config["dataset"], config["data_root"], crop_queries=config.get("crop_queries", True),
-        gnd_path=config.get("gnd"), rotations=config.get("rotations"),
+        config["dataset"],
+        config["data_root"],
+        crop_queries=config.get("crop_queries", True),
+        gnd_path=config.get("gnd"),
+        rotations=config.get("rotations"),
     )
     return dataset, ranks, result
 
@@ -81,8 +84,12 @@ def _thumb(path: Path, bbx, size: int) -> np.ndarray:
 
 
 def retrieval_figure(
-    dataset: RetrievalDataset, ranks: list[list[int]], queries: list[int] | None = None, top: int = 10,
-    setup: str = "medium", size: int = 96,
+    dataset: RetrievalDataset,
+    ranks: list[list[int]],
+    queries: list[int] | None = None,
+    top: int = 10,
+    setup: str = "medium",
+    size: int = 96,
 ):
     """One row per query: the query (its box, when cropped), then its ``top`` results, border = mark.
 
@@ -96,7 +103,9 @@ def retrieval_figure(
         raise VisualizeError(f"query indices {bad} out of range: the run has {len(ranks)} queries")
     revisited = dataset.protocol == "revisited"
     top = min(top, min(len(ranks[q]) for q in queries))
-    fig, axes = plt.subplots(len(queries), top + 1, figsize=(1.4 * (top + 1), 1.6 * len(queries)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(queries), top + 1, figsize=(1.4 * (top + 1), 1.6 * len(queries)), squeeze=False
+    )
     drawn = []
     for row, q in enumerate(queries):
         ranked = [int(i) for i in ranks[q][:top]]
@@ -110,8 +119,15 @@ def retrieval_figure(
             ax.imshow(_thumb(dataset.database[i], None, size))
             title = f"{c}: {row_marks[c - 1]}"
             if revisited:
-                title = f"{c}: " + " ".join(f"{s[0].upper()}{'+j-'[[POSITIVE, JUNK, NEGATIVE].index(per_setup[s][c - 1])]}" for s in SETUPS)
-            ax.set_title(title, fontsize=6, color=COLOURS[row_marks[c - 1]] if row_marks[c - 1] != JUNK else "darkorange")
+                title = f"{c}: " + " ".join(
+                    f"{s[0].upper()}{'+j-'[[POSITIVE, JUNK, NEGATIVE].index(per_setup[s][c - 1])]}"
+                    for s in SETUPS
+                )
+            ax.set_title(
+                title,
+                fontsize=6,
+                color=COLOURS[row_marks[c - 1]] if row_marks[c - 1] != JUNK else "darkorange",
+            )
         for ax, mark in zip(axes[row], [None, *row_marks], strict=True):
             ax.set_xticks([])
             ax.set_yticks([])
