@@ -81,6 +81,14 @@ def overlay(image: np.ndarray, heatmap: np.ndarray, alpha: float = 0.6, cmap: st
     return (image.astype(np.float64) * (1 - alpha) + colour * alpha).round().clip(0, 255).astype(np.uint8)
 
 
+def mass_mask(heatmap: Tensor, fraction: float) -> Tensor:
+    """Boolean (H, W): the smallest set of pixels holding ``fraction`` of a non-negative heatmap's mass."""
+    flat = heatmap.flatten()
+    values, order = flat.sort(descending=True)
+    keep = (values.cumsum(0) - values) < fraction * flat.sum()
+    return torch.zeros_like(flat, dtype=torch.bool).scatter(0, order, keep).reshape(heatmap.shape)
+
+
 def attention_figure(
     model: nn.Module,
     paths: Sequence[str | os.PathLike],
@@ -100,7 +108,7 @@ def attention_figure(
     for path in progress(paths, desc="attention", enabled=show_progress):
         x, shown = prepare(read_image(path), size, model.size_multiple)
         maps = attention_heatmaps(model, x[None], layer)[0]
-        mask = attention_heatmaps(model, x[None], layer, threshold=threshold)[0].amax(0)
+        mask = mass_mask(maps.mean(0), threshold)
         rows.append((shown, maps, mask))
     heads = rows[0][1].shape[0]
     cols = heads + 2
@@ -114,7 +122,7 @@ def attention_figure(
         for c, (picture, title) in enumerate(panels):
             axes[r, c].imshow(picture)
             if c == 1:
-                axes[r, c].contour(mask.numpy(), levels=[0.5], colors="cyan", linewidths=0.8)
+                axes[r, c].contour(mask.numpy().astype(float), levels=[0.5], colors="cyan", linewidths=0.8)
             axes[r, c].set_title(title, fontsize=8)
             axes[r, c].axis("off")
     fig.suptitle(f"{model.name}: attention of the global query, layer {layer}, {size} px", fontsize=9)
