@@ -75,3 +75,9 @@ def test_unsupported_backbone_is_named():
 
     with pytest.raises(VisualizeError, match=r"backbone toy_pooled \(toy\) has no attention maps"):
         attention_heatmaps(Pooled(), torch.randn(1, 3, 32, 32))
+
+
+def test_any_resolution_768_px_non_square(model):
+    maps = attention_heatmaps(model, torch.randn(1, 3, 512, 768))
+    assert maps.shape == (1, 4, 512, 768)
+    assert torch.allclose(maps.sum((-2, -1)), torch.ones(1, 4), atol=1e-4)

@@ -63,3 +63,46 @@ def test_results_file_errors_name_the_file(tmp_path):
     bad.write_text("{}")
     with pytest.raises(VisualizeError, match="bad.json is not a results JSON"):
         load_results(bad)
+
+
+def test_revisited_titles_show_every_setup(shared_data):
+    photos = sorted((shared_data / "flowers5" / "daisy").glob("*.jpg"))[:6]
+    ds = _revisited(photos)
+    fig, drawn = retrieval_figure(ds, [[2, 0, 3, 5]], top=4, size=32)
+    assert drawn == [["positive", "positive", "junk", "negative"]]  # medium by default
+    titles = [ax.get_title() for ax in fig.axes[1:]]
+    assert titles == ["1: Ej M+ H+", "2: E+ M+ Hj", "3: Ej Mj Hj", "4: E- M- H-"]
+
+
+def test_command_reuses_the_retrieval_descriptor_cache(shared_data, tmp_path, monkeypatch):
+    from ssl_xcit.cli import main
+    from ssl_xcit.retrieval import pipeline
+
+    argv = [
+        "visualize",
+        "retrieval",
+        "--arch",
+        "xcit_nano_12_p16",
+        "--dataset",
+        "ukbench",
+        "--data-root",
+        str(shared_data / "retrieval_mini" / "ukbench"),
+        "--resolution",
+        "64",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--top",
+        "4",
+    ]
+    png = main(argv)
+    assert list((tmp_path / "cache").rglob("*")), "the first run stores descriptors"
+
+    def no_extraction(*args, **kwargs):
+        raise AssertionError("descriptors were extracted again instead of read from the cache")
+
+    monkeypatch.setattr(pipeline, "extract_global", no_extraction)
+    png.unlink()
+    assert main(argv).is_file()
