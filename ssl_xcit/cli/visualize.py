@@ -98,7 +98,9 @@ def _queries(args, bank_classes: set[str]) -> tuple[list[Path], list[str | None]
 
     if len(args.queries) == 1 and Path(args.queries[0]).is_dir():
         paths, labels = labelled_images(args.queries[0])
-        pick = [round(i) for i in __import__("numpy").linspace(0, len(paths) - 1, args.num_queries)]
+        # Evenly spread over the sorted folder, so every class gets queries.
+        step = (len(paths) - 1) / max(1, args.num_queries - 1)
+        pick = sorted({round(i * step) for i in range(args.num_queries)})
         return [paths[i] for i in pick], [labels[i] for i in pick]
     paths = [Path(q) for q in args.queries]
     return paths, [p.parent.name if p.parent.name in bank_classes else None for p in paths]
