@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="cls", help="without --results: cls, vlad or asmk")
     p.add_argument("--resolution", type=int, default=768, help="without --results: longer side in px")
     p.add_argument("--train-images", default=None, help="without --results: images for PCA/codebook")
+    p.add_argument(
+        "--gnd", default=None, help="without --results: revisited ground-truth pickle (default in root)"
+    )
     p.add_argument("--cache-dir", default=None, help="descriptor cache (shared with `ssl-xcit retrieval`)")
     p.add_argument("--query", type=int, nargs="+", default=None, help="query indices (default the first 5)")
     p.add_argument("--top", type=int, default=10, help="results per query")
@@ -159,11 +162,12 @@ def render(args: argparse.Namespace) -> Path:
                 arch=args.arch,
                 resolution=args.resolution,
                 train_images=args.train_images,
+                gnd=args.gnd,
                 cache_dir=args.cache_dir,
                 progress=show,
             )
             ranks = run_retrieval(config, _backbone(args))["top_ranks"]
-            dataset = load_dataset(args.dataset, args.data_root)
+            dataset = load_dataset(args.dataset, args.data_root, gnd_path=args.gnd)
         queries = args.query if args.query is not None else list(range(min(5, len(ranks))))
         fig, _ = rv.retrieval_figure(dataset, ranks, queries, args.top, args.setup)
     else:
