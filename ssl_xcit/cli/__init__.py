@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "linear": ("ssl_xcit.cli.linear", "main"),
     "retrieval": ("ssl_xcit.cli.retrieval", "main"),
     "models": ("ssl_xcit.cli.models", "main"),
+    "visualize": ("ssl_xcit.cli.visualize", "main"),
 }
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
