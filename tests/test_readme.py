@@ -51,6 +51,7 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit fit -c eval/linear_xcit\.yaml ", [*_TRAIN, "--data.batch_size=4", "--data.num_workers=0",
                                                    "--data.crop_size=32", "--data.resize_size=32"]),
     (r"^ssl-xcit retrieval ", _RETRIEVAL),
+    (r"^ssl-xcit visualize ", []),  # the README's own small settings (shipped images, nano backbone)
 ]  # fmt: skip
 
 
@@ -103,6 +104,15 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
     }  # fmt: skip
 
 
+def _local(arg: str, shared: Path) -> str:
+    """Repository-relative paths of the README (shipped data, test fixtures) as seen from the scratch folder."""
+    if arg.startswith("../shared/data/"):
+        return str(shared / arg.removeprefix("../shared/data/"))
+    if arg.startswith("tests/"):
+        return str(README.parent / arg)
+    return arg
+
+
 def test_readme_commands_parse_and_every_one_is_known():
     commands = readme_commands(README.read_text())
     assert any(c.startswith("ssl-xcit retrieval") for c in commands) and len(commands) >= 15
@@ -130,7 +140,7 @@ def test_every_readme_command_runs(shared_data, tmp_path, monkeypatch):
             i = argv.index("...")
             argv = argv[:i] + previous[argv[0]] + argv[i + 1 :]
         previous[argv[0]] = argv[1:]
-        argv = [paths.get(a, a) for a in argv] + extra
+        argv = [_local(paths.get(a, a), shared_data) for a in argv] + extra
         try:
             cli_main(argv)
         except SystemExit as err:  # a parse error ends with SystemExit; 0/None is a clean exit
