@@ -294,7 +294,8 @@ def load_json_benchmark(path: str | Path) -> RetrievalDataset:
          "positives": [[0, 3], ["b.jpg"], ...],  # per query: database indices or database paths
          "junk": [[], [5], ...]}                 # optional, same form
 
-    A query whose path is also in the database is removed from its own ranking (Holidays style). A query
+    A query whose path is also in the database is removed from its own ranking (Holidays style), so it must not
+    list itself among its positives; an image is never both a positive and junk of one query. A query
     ``bbx`` is in pixels of the original image after its EXIF orientation is applied.
     """
     path = Path(path)
@@ -363,6 +364,19 @@ def load_json_benchmark(path: str | Path) -> RetrievalDataset:
         for i in range(len(queries))
     ]
     qidx = [db_index.get(str(q)) for q in queries]
+    for i, (g, q) in enumerate(zip(gnd, qidx, strict=True)):
+        both = np.intersect1d(g["ok"], g["junk"])
+        if both.size:
+            raise _gt_error(
+                path,
+                f"positives[{i}] and junk[{i}] share database indices {both.tolist()}; each is one or the other",
+            )
+        if q is not None and q in g["ok"]:
+            raise _gt_error(
+                path,
+                f"positives[{i}] lists query {i} itself (database index {q}); a query that is in the database is "
+                "removed from its own ranking, so list only the other images of its group",
+            )
     check_files_exist(list(dict.fromkeys(database + queries)), "benchmark image")
     return RetrievalDataset(path.stem, "generic", database, queries, gnd, query_bbx=bbx, query_db_index=qidx)
 

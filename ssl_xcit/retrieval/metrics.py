@@ -30,11 +30,16 @@ def _as_rank_matrix(ranks: np.ndarray, n_queries: int) -> np.ndarray:
 
 
 def positive_positions(ranking: np.ndarray, positives: np.ndarray, junk: np.ndarray) -> np.ndarray:
-    """0-based positions of ``positives`` in ``ranking`` once every ``junk`` image is removed from it."""
+    """0-based positions of ``positives`` in ``ranking`` once every ``junk`` image before them is removed.
+
+    An image listed in both ``positives`` and ``junk`` counts as a positive, as in revisitop.
+    """
     is_pos = np.isin(ranking, positives)
     is_junk = np.isin(ranking, junk)
-    # Removing junk shifts each positive up by the number of junk images ranked before it.
-    junk_before = np.cumsum(is_junk)
+    # Removing junk shifts each positive up by the number of junk images ranked strictly before it. The
+    # exclusive count matches revisitop's compute_ap: an image that is both positive and junk stays a positive
+    # (an inclusive count would give it position -1 when ranked first, and AP = inf).
+    junk_before = np.cumsum(is_junk) - is_junk
     where = np.flatnonzero(is_pos)
     return where - junk_before[where]
 

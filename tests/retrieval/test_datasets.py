@@ -192,6 +192,32 @@ def test_malformed_json_benchmark(tmp_path, change, match):
         load_json_benchmark(tmp_path / "b.json")
 
 
+def test_ukbench_style_json_with_query_among_its_positives_is_rejected(shared_data, tmp_path):
+    # UKBench groups written naively: every image is a query and a database image, and its group (itself
+    # included) is its positives. Before the check the pipeline made the query junk too, and AP was inf.
+    uk = shared_data / "retrieval_mini" / "ukbench"
+    names = [f"ukbench0000{i}.jpg" for i in range(8)]
+    groups = [[0, 1, 2, 3]] * 4 + [[4, 5, 6, 7]] * 4
+    spec = {"root": str(uk), "database": names, "queries": names, "positives": groups}
+    (tmp_path / "uk.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"positives\[0\] lists query 0 itself \(database index 0\)"):
+        load_json_benchmark(tmp_path / "uk.json")
+    spec["positives"] = [[j for j in g if j != i] for i, g in enumerate(groups)]
+    (tmp_path / "uk.json").write_text(json.dumps(spec))
+    ds = load_json_benchmark(tmp_path / "uk.json")
+    assert ds.gnd[5]["ok"].tolist() == [4, 6, 7] and ds.query_db_index == list(range(8))
+
+
+def test_json_positive_that_is_also_junk_is_rejected(tmp_path):
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.jpg")
+    Image.new("RGB", (32, 32)).save(tmp_path / "b.jpg")
+    spec = {"database": ["a.jpg", "b.jpg"], "queries": ["q.jpg"], "positives": [[0, 1]], "junk": [[1]]}
+    Image.new("RGB", (32, 32)).save(tmp_path / "q.jpg")
+    (tmp_path / "b.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"positives\[0\] and junk\[0\] share database indices \[1\]"):
+        load_json_benchmark(tmp_path / "b.json")
+
+
 def test_missing_image_is_listed(tmp_path):
     Image.new("RGB", (32, 32)).save(tmp_path / "a.jpg")
     spec = {"database": ["a.jpg", "gone.jpg"], "queries": ["a.jpg"], "positives": [[1]]}
