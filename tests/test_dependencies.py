@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # standard library from Python 3.11
 
 ROOT = Path(__file__).resolve().parents[1]
 # Distribution name -> import name where they differ.
