@@ -138,12 +138,6 @@ class ImageDataset(Dataset):
             image = self.transform(image)
         return image, label, index
 
-    def fingerprint(self) -> str:
-        """SHA-256 of the class list and the ``(path, label)`` list: cache metadata for extracted features."""
-        from ssl_xcit.utils.io import sha256_json
-
-        return sha256_json({"classes": self.classes, "samples": [[p.as_posix(), y] for p, y in self.samples]})
-
     def subset(self, indices: Sequence[int], transform: Callable | None | str = "same") -> ImageDataset:
         """A new dataset on ``samples[indices]`` with the same classes (and transform unless given)."""
         return ImageDataset(

@@ -97,7 +97,6 @@ class FeatureExtractor(pl.LightningModule):
         self.config = config
         self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.result: dict[str, torch.Tensor] | None = None
-        self.num_forward_calls = 0  # read by tests: a cache hit must not call the backbone
 
     def on_predict_epoch_start(self) -> None:
         self.backbone.eval()
@@ -108,7 +107,6 @@ class FeatureExtractor(pl.LightningModule):
             empty = torch.zeros(0, dtype=torch.long, device=self.device)
             return torch.zeros(0, self._local_dim(), device=self.device), empty, empty
         images, labels, indices = batch[0], batch[1], batch[2]
-        self.num_forward_calls += 1
         feats = compute_features(self.backbone, images, self.config).float()
         out = (feats, torch.as_tensor(labels).long(), torch.as_tensor(indices).long())
         self._parts.append(out)

@@ -43,17 +43,6 @@ class RetrievalDataset:
         if not self.query_db_index:
             self.query_db_index = [None] * len(self.queries)
 
-    def describe(self) -> dict[str, object]:
-        """What identifies this benchmark's inputs (for cache keys)."""
-        return {
-            "name": self.name,
-            "database": [str(p) for p in self.database],
-            "queries": [str(p) for p in self.queries],
-            "bbx": self.query_bbx,
-            "exif_transpose": self.exif_transpose,
-            "rotations": sorted(self.rotations.items()),
-        }
-
 
 def check_files_exist(paths: Sequence[Path], what: str) -> None:
     """Raise one FileNotFoundError listing the first missing files and how many are missing in all."""
