@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "linear": ("ssl_xcit.cli.linear", "main"),
     "retrieval": ("ssl_xcit.cli.retrieval", "main"),
     "models": ("ssl_xcit.cli.models", "main"),
+    "visualize": ("ssl_xcit.cli.visualize", "main"),
 }
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -49,14 +50,34 @@ def main(argv: Sequence[str] | None = None) -> object:
     if command not in COMMANDS:
         raise SystemExit(f"ssl-xcit: unknown command {command!r}; valid commands: {', '.join(COMMANDS)}")
     module_name, function = COMMANDS[command]
+    if command != "models":  # `models` stays free of Lightning imports
+        from ssl_xcit.cli.quiet import install_filters
+
+        install_filters()
     entry = getattr(importlib.import_module(module_name), function)
     # LightningCLI parses its own subcommand, so it gets the whole argv.
     return entry(args if command in LIGHTNING_SUBCOMMANDS else args[1:])
 
 
 def console_main(argv: Sequence[str] | None = None) -> None:
-    """Console-script entry point: like :func:`main`, but returns nothing, so the exit status is 0 on success.
+    """Console-script entry point: like :func:`main`, but returns nothing, so the exit status is 0 on success,
+    and an expected user error ends in one or two lines and exit status 2 (``ssl_xcit.cli.errors``;
+    ``--traceback`` or ``SSL_XCIT_TRACEBACK=1`` shows the traceback).
 
     (Console-script wrappers call ``sys.exit(entry())``; a returned results dict would be printed as an error.)
     """
-    main(argv)
+    from ssl_xcit.cli.errors import report, traceback_requested, user_error
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    full, args = traceback_requested(args)
+    if full and argv is None:
+        sys.argv = [sys.argv[0], *args]  # the parsers read sys.argv for --traceback too
+    try:
+        main(args)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        cause = None if full else user_error(err)
+        if cause is None:
+            raise
+        report(args[0] if args else "", cause)

@@ -56,7 +56,7 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
     model.load_state_dict(state, strict=True)
     # Plain contiguous CPU tensors, in the model's own key order.
     plain = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    return atomic_torch_save(plain, out_path), name
+    return atomic_torch_save(plain, out_path, private=True), name
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:
@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
         description="Export the teacher backbone of a DINO checkpoint as a plain (timm-compatible) state dict.",
     )
     parser.add_argument(
-        "checkpoint", help="Lightning checkpoint of a DINO run (e.g. runs/quickstart/checkpoints/last.ckpt)"
+        "checkpoint",
+        help="Lightning checkpoint of a DINO run (e.g. runs/quickstart/version_0/checkpoints/last.ckpt)",
     )
     parser.add_argument("out", help="output .pth file (written atomically)")
     args = parser.parse_args(None if argv is None else list(argv))

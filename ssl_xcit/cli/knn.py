@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the k-NN evaluation; returns the results dict (also written to --output)."""
+    from ssl_xcit.cli.quiet import cap_workers
     from ssl_xcit.evaluation.pipeline import evaluate_knn
 
     args = build_parser().parse_args(argv)
@@ -140,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         temperature=args.temperature,
         backend=args.backend,
         batch_size=args.batch_size,
-        num_workers=args.num_workers,
+        num_workers=cap_workers(args.num_workers, "--num-workers"),
         resize_size=args.resize_size,
         crop_size=args.crop_size,
         n_last_blocks=args.n_last_blocks,

@@ -11,6 +11,7 @@ The same probe through LightningCLI (configurable trainer, checkpoints, loggers)
 from __future__ import annotations
 
 import argparse
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,34 +46,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train and validate the probe; prints a table, returns (and writes to --output) the results."""
+    from ssl_xcit.cli.quiet import cap_workers
     from ssl_xcit.evaluation.linear import run_linear
     from ssl_xcit.evaluation.report import format_linear_table
 
     args = build_parser().parse_args(argv)
-    results = run_linear(
-        args.train,
-        args.val,
-        weights=args.weights,
-        arch=args.arch,
-        fast=args.fast,
-        lrs=args.lrs,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        num_workers=args.num_workers,
-        n_last_blocks=args.n_last_blocks,
-        avgpool_patchtokens=args.avgpool_patchtokens,
-        crop_size=args.crop_size,
-        resize_size=args.resize_size,
-        cache_dir=args.cache_dir,
-        use_cache=not args.no_cache,
-        output=args.output,
-        default_root_dir=args.default_root_dir,
-        accelerator=args.accelerator,
-        devices=parse_devices(args.devices),
-        precision=args.precision,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    with warnings.catch_warnings():
+        # The probe's backbone is frozen in eval mode on purpose; Lightning's notice would say otherwise.
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+        results = run_linear(
+            args.train,
+            args.val,
+            weights=args.weights,
+            arch=args.arch,
+            fast=args.fast,
+            lrs=args.lrs,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            num_workers=cap_workers(args.num_workers, "--num-workers"),
+            n_last_blocks=args.n_last_blocks,
+            avgpool_patchtokens=args.avgpool_patchtokens,
+            crop_size=args.crop_size,
+            resize_size=args.resize_size,
+            cache_dir=args.cache_dir,
+            use_cache=not args.no_cache,
+            output=args.output,
+            default_root_dir=args.default_root_dir,
+            accelerator=args.accelerator,
+            devices=parse_devices(args.devices),
+            precision=args.precision,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
     from lightning.pytorch.utilities import rank_zero_only
 
     if getattr(rank_zero_only, "rank", 0) == 0:

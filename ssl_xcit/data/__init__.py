@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from ssl_xcit.data.datasets import (
     IMG_EXTENSIONS,
+    EmptyBatch,
     ImageDataset,
     UnreadableImageWarning,
     build_dataset,
     collate_skip_none,
+    collate_train,
 )
 from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
@@ -40,7 +42,9 @@ __all__ = [
     "SkippedImagesLogger",
     "UnreadableImageWarning",
     "build_dataset",
+    "EmptyBatch",
     "collate_skip_none",
+    "collate_train",
     "describe_transform",
     "ensure_synthetic_dataset",
     "eval_transform",

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none
+from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, collate_train
 from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
@@ -178,13 +178,16 @@ class DINODataModule(L.LightningDataModule):
                 f"verify_images: {bad} of {len(self.train_dataset)} training images are unreadable"
             )
         kind = f"{len(full.classes)} classes" if full.labelled else "unlabelled"
+        unreadable = self.train_dataset.num_skipped if hp.verify_images else 0
+        if unreadable:  # they stay in the index (skipped when drawn); the count says what trains
+            kind += f"; {unreadable} unreadable skipped"
         knn = (
             f"k-NN monitor: {len(self.val_dataset)} labelled queries"
             if self.val_dataset is not None
             else f"k-NN monitor off: {self.knn_unavailable_reason}"
         )
         rank_zero_info(
-            f"DINO data: {len(self.train_dataset)} training images ({kind}) from {train_root}; {knn}"
+            f"DINO data: {len(self.train_dataset) - unreadable} training images ({kind}) from {train_root}; {knn}"
         )
 
     def _check_batches(self, train_root: Path) -> None:
@@ -243,7 +246,7 @@ class DINODataModule(L.LightningDataModule):
             num_workers=workers,
             pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
             persistent_workers=persistent and workers > 0,
-            collate_fn=collate_skip_none,
+            collate_fn=collate_train if train else collate_skip_none,
         )
 
     def train_dataloader(self) -> DataLoader:

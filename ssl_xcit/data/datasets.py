@@ -162,6 +162,24 @@ def collate_skip_none(batch: list[Any]) -> Any:
     return default_collate(batch)
 
 
+class EmptyBatch:
+    """A training batch whose images were all unreadable. Lightning silently skips a ``None`` batch without
+    calling ``training_step``, so under DDP that rank would miss the collectives the other ranks enter and
+    hang them; this marker reaches ``training_step``, where every rank agrees to skip the step together."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "EmptyBatch()"
+
+
+def collate_train(batch: list[Any]) -> Any:
+    """:func:`collate_skip_none` for training loaders: an :class:`EmptyBatch` instead of ``None``."""
+    out = collate_skip_none(batch)
+    return EmptyBatch() if out is None else out
+
+
 def _walk_images(folder: Path) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):

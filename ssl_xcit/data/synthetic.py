@@ -21,6 +21,7 @@ import io
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -255,6 +256,13 @@ def ensure_synthetic_dataset(
             shutil.rmtree(trash, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    total = len(CLASSES) * (num_train_per_class + num_val_per_class)
+    # One line while it works (about 11 s for the default 2,500 images), so a first run does not look stuck.
+    print(
+        f"generating the built-in dataset: {total:,} images into {root} (once) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         manifest = generate(tmp, image_size, num_train_per_class, num_val_per_class)
         atomic_write_json(manifest, tmp / MANIFEST)

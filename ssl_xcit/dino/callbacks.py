@@ -88,7 +88,8 @@ class OnlineKNN(Callback):
                 self._disabled_reason = "the k-NN datasets carry no labels"
             else:
                 self._datasets = (train, val)
-        if self._disabled_reason:
+        # A datamodule with `knn_unavailable_reason` already said so in its set-up line: one notice, not two.
+        if self._disabled_reason and not getattr(datamodule, "knn_unavailable_reason", None):
             rank_zero_warn(f"Online k-NN disabled: {self._disabled_reason}. Training continues without it.")
         return self._datasets
 
@@ -114,10 +115,13 @@ class OnlineKNN(Callback):
         val_f, val_y = self._features(backbone, val, pl_module.device)
         scores = weighted_knn(train_f, train_y, val_f, ks=(self.k,), temperature=self.temperature)[self.k]
         top1 = 100.0 * float((scores.argmax(dim=1) == val_y).float().mean())
-        self.history.append({"epoch": trainer.current_epoch, "step": trainer.global_step, "top1": top1})
+        # Under `validate` the trainer's counters are 0; the module knows the checkpoint's epoch and step.
+        epoch = getattr(pl_module, "trained_epoch", trainer.current_epoch)
+        step = getattr(pl_module, "trained_step", trainer.global_step)
+        self.history.append({"epoch": epoch, "step": step, "top1": top1})
         rank_zero_info(
-            f"online k-NN (teacher, k={self.k}, T={self.temperature}) epoch {trainer.current_epoch} "
-            f"step {trainer.global_step}: top-1 {top1:.2f}% on {len(val_y)} val images"
+            f"online k-NN (teacher, k={self.k}, T={self.temperature:g}) epoch {epoch} "
+            f"step {step}: top-1 {top1:.2f}% on {len(val_y)} val images"
         )
         return top1
 

@@ -1,10 +1,11 @@
-"""Atomic checkpoint writes and the checkpoint callback of the recipes.
+"""Atomic, owner-only checkpoint writes and the checkpoint callbacks of the recipes.
 
 Lightning's default ``TorchCheckpointIO`` (2.6, ``lightning.fabric.utilities.cloud_io._atomic_save``) is already
 atomic: it serialises the whole checkpoint into an in-memory buffer, then writes it in an fsspec transaction (a
 temporary file moved into place on a local disk). :class:`AtomicCheckpointIO` writes to a temporary file in the
 same folder and renames it over the target (``ssl_xcit.utils.io.atomic_torch_save``) without the in-memory copy
-of the checkpoint: a kill mid-write leaves the previous checkpoint intact either way. ``DINO.setup`` installs it when the Trainer uses the
+of the checkpoint: a kill mid-write leaves the previous checkpoint intact either way. Checkpoints are written
+0600 (``private``). ``DINO.setup`` installs it when the Trainer uses the
 default checkpoint IO, so it is on for the CLI, the Python API and tests alike.
 """
 
@@ -31,38 +32,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"AtomicCheckpointIO does not take storage_options, got {storage_options!r}; "
                 "use a custom CheckpointIO plugin for remote storage"
             )
-        atomic_torch_save(checkpoint, Path(path))
+        atomic_torch_save(checkpoint, Path(path), private=True)
 
 
-class DINOCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` with the schedule DINO wants: ``last.ckpt`` rewritten after *every* epoch (for
-    ``--ckpt_path last``; Lightning's own only refreshes it when a periodic copy is saved), a kept copy every
-    ``every_n_epochs`` epochs and after the final epoch, no metric monitoring (the DINO loss is not a
-    model-selection signal). Give ``dirpath`` explicitly: ``--ckpt_path last`` searches it before the logger
-    has picked a new version folder."""
+def dino_checkpoints(
+    dirpath: _PATH | None = None, every_n_epochs: int = 20, filename: str = "{epoch:04d}"
+) -> list[ModelCheckpoint]:
+    """Stock ``ModelCheckpoint`` instances for DINO: ``last.ckpt`` rewritten after every epoch (for
+    ``--ckpt_path last``) and a kept ``epoch=NNNN.ckpt`` every ``every_n_epochs`` epochs. No metric is monitored
+    (the DINO loss is not a model-selection signal). The recipes list the same two callbacks in YAML.
 
-    def __init__(
-        self,
-        dirpath: _PATH | None = None,
-        filename: str = "{epoch:04d}",  # -> epoch=0019.ckpt
-        every_n_epochs: int = 20,
-        save_last: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        kwargs.setdefault("save_top_k", -1)
-        kwargs.setdefault("save_on_train_epoch_end", True)
-        # Overwrite last.ckpt in place (atomically) instead of creating last-v1.ckpt next to a previous run's.
-        kwargs.setdefault("enable_version_counter", False)
-        super().__init__(
-            dirpath=dirpath, filename=filename, every_n_epochs=every_n_epochs, save_last=save_last, **kwargs
-        )
-
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._should_skip_saving_checkpoint(trainer):
-            return
-        candidates = self._monitor_candidates(trainer)
-        epoch = trainer.current_epoch + 1
-        final = trainer.max_epochs is not None and epoch >= trainer.max_epochs
-        if (self._every_n_epochs >= 1 and epoch % self._every_n_epochs == 0) or final:
-            self._save_topk_checkpoint(trainer, candidates)
-        self._save_last_checkpoint(trainer, candidates)
+    Two instances because Lightning's ``save_last`` only refreshes ``last.ckpt`` on epochs where a periodic copy
+    is saved; with ``every_n_epochs=1`` one instance does both (two would share a callback state key).
+    """
+    if every_n_epochs < 1:
+        raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+    common = dict(dirpath=dirpath, every_n_epochs=1, save_on_train_epoch_end=True)
+    if every_n_epochs == 1:
+        return [ModelCheckpoint(filename=filename, save_top_k=-1, save_last=True, **common)]
+    # save_top_k=1 with no monitor keeps one file; a fixed name without a version counter overwrites it.
+    last = ModelCheckpoint(filename="last", save_top_k=1, enable_version_counter=False, **common)
+    keep = ModelCheckpoint(
+        dirpath=dirpath,
+        filename=filename,
+        every_n_epochs=every_n_epochs,
+        save_top_k=-1,
+        save_on_train_epoch_end=True,
+    )
+    return [last, keep]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,11 @@ class DINOLoss(nn.Module):
         student_temp: student temperature (0.1 in every published run).
         center_momentum: EMA factor of the center (0.9).
         num_global_crops: the teacher sees only the first ``num_global_crops`` views.
+        centering: ``ema`` subtracts an EMA of the mean teacher logit before the sharpened softmax (DINO);
+            ``sinkhorn_knopp`` turns the sharpened teacher logits into targets whose prototypes share the batch
+            equally (DINOv2's centring, 3 iterations): neither collapse mode can form within a batch, which
+            is what small batches on small data need.
+        sinkhorn_iterations: Sinkhorn-Knopp normalisation rounds (3 in DINOv2).
 
     Collapse signals: with centering dominating, every teacher output becomes uniform (entropy -> log K,
     KL-to-uniform -> 0); with sharpening dominating, one prototype wins for every image (entropy -> 0,
@@ -49,8 +54,16 @@ class DINOLoss(nn.Module):
         student_temp: float = 0.1,
         center_momentum: float = 0.9,
         num_global_crops: int = 2,
+        centering: Literal["ema", "sinkhorn_knopp"] = "ema",
+        sinkhorn_iterations: int = 3,
     ) -> None:
         super().__init__()
+        if centering not in ("ema", "sinkhorn_knopp"):
+            raise ValueError(f"centering must be 'ema' or 'sinkhorn_knopp', got {centering!r}")
+        if sinkhorn_iterations < 1:
+            raise ValueError(f"sinkhorn_iterations must be >= 1, got {sinkhorn_iterations}")
+        self.centering = centering
+        self.sinkhorn_iterations = sinkhorn_iterations
         self.out_dim = out_dim
         self.warmup_teacher_temp = warmup_teacher_temp
         self.teacher_temp = teacher_temp
@@ -92,7 +105,10 @@ class DINOLoss(nn.Module):
         teacher_output = teacher_output.float()
         student_logp = F.log_softmax(student_output / self.student_temp, dim=-1).chunk(n_views)
         temp = self.teacher_temp_at(epoch)
-        teacher_probs = F.softmax((teacher_output - self.center) / temp, dim=-1).detach()
+        if self.centering == "sinkhorn_knopp":
+            teacher_probs = sinkhorn_knopp(teacher_output.detach() / temp, self.sinkhorn_iterations)
+        else:
+            teacher_probs = F.softmax((teacher_output - self.center) / temp, dim=-1).detach()
 
         total = student_output.new_zeros(())
         n_terms = 0
@@ -108,7 +124,7 @@ class DINOLoss(nn.Module):
             entropy = -(teacher_probs * torch.log(teacher_probs.clamp_min(1e-12))).sum(-1).mean()
             mean_probs = teacher_probs.mean(0)
             kl_uniform = (mean_probs * torch.log(mean_probs.clamp_min(1e-12))).sum() + math.log(self.out_dim)
-        if update_center:
+        if update_center and self.centering == "ema":
             self.update_center(teacher_output)
         return DINOLossOutput(loss, entropy, kl_uniform)
 
@@ -123,3 +139,35 @@ class DINOLoss(nn.Module):
             dist.all_reduce(count)
         batch_center = batch_center / count
         self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)
+
+
+@torch.no_grad()
+def sinkhorn_knopp(scores: torch.Tensor, iterations: int = 3) -> torch.Tensor:
+    """Targets (B, K) from teacher scores (B, K) = logits / temperature, by Sinkhorn-Knopp on exp(scores).
+
+    Alternately scales prototypes to an equal share 1/K of the (global) batch and samples to an equal share
+    1/B, ending on samples, so each row is a distribution over the K prototypes. Under DDP the prototype sums
+    and the batch size are all-reduced, so the equipartition holds over the global batch.
+    """
+    # float64: exp() of a logit spread of 2 / 0.01 (normalised features, a sharp teacher) would underflow fp32.
+    out_dtype = scores.dtype
+    scores = scores.double()
+    peak = scores.max().reshape(1)
+    if _dist_ready():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # Subtracting one global constant changes nothing after normalisation and keeps exp() finite.
+    q = torch.exp(scores - peak).t()  # (K, B)
+    k = q.shape[0]
+    batch = torch.tensor([float(q.shape[1])], device=q.device, dtype=q.dtype)
+    total = q.sum().reshape(1)
+    if _dist_ready():
+        dist.all_reduce(batch)
+        dist.all_reduce(total)
+    q /= total
+    for _ in range(iterations):
+        per_prototype = q.sum(dim=1, keepdim=True)
+        if _dist_ready():
+            dist.all_reduce(per_prototype)
+        q /= per_prototype.clamp_min(torch.finfo(q.dtype).tiny) * k
+        q /= q.sum(dim=0, keepdim=True) * batch
+    return (q * batch).t().to(out_dtype if out_dtype.is_floating_point else torch.float32)

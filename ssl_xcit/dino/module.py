@@ -32,6 +32,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from ssl_xcit.data.datasets import EmptyBatch
 from ssl_xcit.dino.head import DINOHead
 from ssl_xcit.dino.loss import DINOLoss
 from ssl_xcit.dino.optim import (
@@ -121,6 +122,8 @@ class DINO(LightningModule):
         warmup_teacher_temp_epochs: epochs of the linear teacher-temperature warm-up (30 in the paper).
         student_temp: 0.1 in every published run.
         center_momentum: EMA of the centre; 0.9.
+        centering: ``ema`` (DINO's centre) or ``sinkhorn_knopp`` (DINOv2's equipartition of the teacher
+            targets over the batch; keeps small batches on small data out of both collapse modes).
         momentum_teacher: EMA momentum at step 0, raised to 1 on a cosine. 0.996 for batch 1024; the authors
             advise 0.9995 for batch 256, and small datasets train faster with ~0.99.
         lr: peak learning rate for a total batch of 256 (linearly scaled by ``scale_lr_with_batch``).
@@ -137,6 +140,9 @@ class DINO(LightningModule):
         sync_batchnorm: convert XCiT's BatchNorms (patch embedding, LPI) to synchronised BN under DDP, as
             the reference does; leave ``Trainer(sync_batchnorm=...)`` off (it cannot run on CPU/gloo).
         compile: ``torch.compile`` the two backbones (in place: checkpoint keys unchanged).
+        collapse_guard: ``warn`` once, or ``stop`` the run, when the teacher holds a collapse mode for
+            ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.dino.collapse``);
+            ``off`` disables it.
     """
 
     def __init__(
@@ -155,6 +161,7 @@ class DINO(LightningModule):
         warmup_teacher_temp_epochs: int = 0,
         student_temp: float = 0.1,
         center_momentum: float = 0.9,
+        centering: Literal["ema", "sinkhorn_knopp"] = "ema",
         momentum_teacher: float = 0.996,
         lr: float = 0.0005,
         min_lr: float = 1e-6,
@@ -168,6 +175,9 @@ class DINO(LightningModule):
         accumulate_grad_batches: int = 1,
         sync_batchnorm: bool = True,
         compile: bool = False,
+        collapse_guard: Literal["warn", "stop", "off"] = "warn",
+        collapse_patience: int = 50,
+        collapse_grace_steps: int = 100,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -206,12 +216,17 @@ class DINO(LightningModule):
             warmup_teacher_temp_epochs=warmup_teacher_temp_epochs,
             student_temp=student_temp,
             center_momentum=center_momentum,
+            centering=centering,
             num_global_crops=NUM_GLOBAL_CROPS,
         )
         self.lr_schedule: np.ndarray | None = None
         self.wd_schedule: np.ndarray | None = None
         self.momentum_schedule: np.ndarray | None = None
+        self._iters_per_epoch = 0
+        self.skipped_batches = 0  # batches skipped because a rank had no readable image
+        self.last_collapse_signals: tuple[float, float] | None = None  # (teacher entropy, KL to uniform)
         self._compiled = False
+        self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
 
     # ----------------------------------------------------------------------------------------- mode, setup
     def train(self, mode: bool = True) -> DINO:
@@ -221,8 +236,31 @@ class DINO(LightningModule):
         self.teacher.train(True)
         return self
 
+    def _set_training_modes(self) -> None:
+        """Student and teacher in train mode, every submodule included. Lightning 2.6 no longer calls
+        ``.train()`` at fit start, so an earlier ``model.eval()`` (or ``teacher.backbone.eval()``) would
+        otherwise train the student without drop path and give eval-mode BatchNorm targets for the whole run."""
+        self.student.train(True)
+        self.teacher.train(True)
+
+    def on_train_start(self) -> None:
+        self._set_training_modes()
+        if self.lr_schedule is None:
+            self._build_schedules(self._configured_batch_size())
+
+    def on_train_epoch_start(self) -> None:
+        # Callbacks (online k-NN, anything a user adds) may have switched modes at the previous epoch's end.
+        self._set_training_modes()
+        # A partial accumulation window must never leak into this epoch's first step.
+        self.optimizers().zero_grad(set_to_none=True)
+
+    def on_validation_model_train(self) -> None:
+        super().on_validation_model_train()
+        if self.trainer.state.fn == "fit":
+            self._set_training_modes()
+
     def configure_model(self) -> None:
-        world_size = self.trainer.world_size if self._trainer is not None else 1
+        world_size = self.trainer.world_size  # Lightning calls this hook with the trainer attached
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
             device_type = self.trainer.strategy.root_device.type
             self.student = convert_sync_batchnorm(self.student, device_type)
@@ -243,10 +281,36 @@ class DINO(LightningModule):
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
 
+    def configure_callbacks(self) -> list:
+        from ssl_xcit.dino.collapse import CollapseGuard
+
+        hp = self.hparams
+        return [CollapseGuard(hp.collapse_guard, hp.collapse_patience, hp.collapse_grace_steps)]
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return build_optimizer(self.hparams.optimizer, get_params_groups(self.student))
 
     # ------------------------------------------------------------------------------------------ schedules
+    def _configured_batch_size(self) -> int:
+        """The training loader's configured per-device batch size. The schedules are sized from it, never
+        from an actual batch: skipped unreadable images shrink a batch, which would lower the peak lr for the
+        whole run and, under DDP, give the ranks different schedules."""
+        loader = self.trainer.train_dataloader
+        loader = getattr(loader, "iterables", loader)  # Lightning's CombinedLoader
+        if isinstance(loader, dict):
+            loader = next(iter(loader.values()))
+        elif isinstance(loader, (list, tuple)):
+            loader = loader[0]
+        size = getattr(loader, "batch_size", None)
+        if size is None:
+            size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if not size:
+            raise ValueError(
+                f"DINO sizes its lr schedule from the loader's batch_size, but {type(loader).__name__} has none; "
+                "use a DataLoader with batch_size set"
+            )
+        return int(size)
+
     def _build_schedules(self, per_device_batch: int) -> None:
         hp, trainer = self.hparams, self.trainer
         epochs = trainer.max_epochs
@@ -258,6 +322,7 @@ class DINO(LightningModule):
         if not math.isfinite(batches) or batches < 1:
             raise ValueError(f"DINO needs a sized training dataloader, got {batches} batches per epoch")
         iters = max(int(batches) // hp.accumulate_grad_batches, 1)
+        self._iters_per_epoch = iters
         if hp.warmup_epochs > epochs:
             raise ValueError(f"warmup_epochs={hp.warmup_epochs} is longer than trainer.max_epochs={epochs}")
         total_batch = per_device_batch * trainer.world_size * hp.accumulate_grad_batches
@@ -266,7 +331,8 @@ class DINO(LightningModule):
         self.wd_schedule = cosine_schedule(hp.weight_decay, hp.weight_decay_end, epochs, iters)
         self.momentum_schedule = cosine_schedule(hp.momentum_teacher, 1.0, epochs, iters)
         rank_zero_info(
-            f"DINO schedules: {epochs} epochs x {iters} steps, total batch {total_batch} "
+            f"DINO schedules: {epochs} epoch{'s' * (epochs != 1)} x {iters} step{'s' * (iters != 1)}, "
+            f"total batch {total_batch} "
             f"({per_device_batch}/device x {trainer.world_size} x {hp.accumulate_grad_batches} accumulated), "
             f"peak lr {peak_lr:.3g}"
         )
@@ -281,23 +347,34 @@ class DINO(LightningModule):
         return self.teacher.backbone(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        # None: every image of the batch was unreadable (collate_skip_none), so there is nothing to learn from.
-        if batch is None:
-            return None
-        crops = _crops_from_batch(batch)
-        if len(crops) < NUM_GLOBAL_CROPS:
-            raise ValueError(
-                f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
-            )
         if self.lr_schedule is None:
-            self._build_schedules(per_device_batch=crops[0].shape[0])
+            self._build_schedules(self._configured_batch_size())
         accumulate = self.hparams.accumulate_grad_batches
+        # The micro-batches after the last full accumulation window cannot make a step; they are dropped,
+        # as the schedules (sized on whole windows) assume. Every rank has the same batch count.
+        if batch_idx >= self._iters_per_epoch * accumulate:
+            return None
+        window_end = (batch_idx + 1) % accumulate == 0
         opt = self.optimizers()
         lr, wd, momentum = (
             self._at(self.lr_schedule),
             self._at(self.wd_schedule),
             self._at(self.momentum_schedule),
         )
+        # Every image of this rank's batch was unreadable (EmptyBatch, or None). All ranks agree to skip
+        # the batch together, so none waits in a collective (the finite check, the centre all-reduce, DDP's
+        # gradient reduction, synced BN) that another rank never enters.
+        empty = batch is None or isinstance(batch, EmptyBatch)
+        if self.trainer.strategy.reduce_boolean_decision(empty, all=False):
+            self.skipped_batches += 1
+            if window_end:
+                self._optimizer_step(opt, momentum)
+            return None
+        crops = _crops_from_batch(batch)
+        if len(crops) < NUM_GLOBAL_CROPS:
+            raise ValueError(
+                f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
+            )
         for i, group in enumerate(opt.param_groups):
             group["lr"] = lr
             if i == 0:  # only the regularised group
@@ -310,10 +387,8 @@ class DINO(LightningModule):
         self._check_finite(out.loss)
 
         self.manual_backward(out.loss / accumulate)
-        if (batch_idx + 1) % accumulate == 0:
-            opt.step()  # -> on_before_optimizer_step: per-parameter clipping, last-layer freeze
-            opt.zero_grad(set_to_none=True)
-            self._update_teacher(momentum)
+        if window_end:
+            self._optimizer_step(opt, momentum)
 
         batch_size = crops[0].shape[0]
         log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
@@ -324,9 +399,19 @@ class DINO(LightningModule):
         self.log("train/wd", wd, **log)
         self.log("train/teacher_momentum", momentum, **log)
         self.log("train/teacher_temp", self.dino_loss.teacher_temp_at(self.current_epoch), **log)
+        self.last_collapse_signals = (float(out.teacher_entropy), float(out.kl_to_uniform))
         self.log("train/teacher_entropy", out.teacher_entropy, **log)
         self.log("train/kl_to_uniform", out.kl_to_uniform, **log)
         return out.loss.detach()
+
+    def _optimizer_step(self, opt: Any, momentum: float) -> None:
+        """Step (-> ``on_before_optimizer_step``: clipping, last-layer freeze), clear, EMA. Nothing happens
+        when the window has no gradients (all its batches were skipped)."""
+        if all(p.grad is None for p in self.student.parameters()):
+            return
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        self._update_teacher(momentum)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Called by the precision plugin after fp16 unscaling; order as in the reference: clip, then cancel.
@@ -378,12 +463,28 @@ class DINO(LightningModule):
         with torch.no_grad(), _buffers_preserved(self.teacher):
             teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
             student_output = self.student(crops)
-            out = self.dino_loss(student_output, teacher_output, self.current_epoch, update_center=False)
+            out = self.dino_loss(student_output, teacher_output, self.trained_epoch, update_center=False)
         kw = dict(on_epoch=True, sync_dist=True, batch_size=crops[0].shape[0])
         self.log("val/loss", out.loss, prog_bar=True, **kw)
         self.log("val/teacher_entropy", out.teacher_entropy, **kw)
         self.log("val/kl_to_uniform", out.kl_to_uniform, **kw)
         return out.loss
+
+    @property
+    def trained_epoch(self) -> int:
+        """The epoch the weights belong to: ``current_epoch`` while fitting; under ``validate``/``test`` the
+        checkpoint's epoch (Lightning restores progress only for ``fit``), so the teacher temperature and the
+        k-NN label match the end-of-fit numbers."""
+        if self._restored_progress is not None and self.trainer.state.fn != "fit":
+            return self._restored_progress[0]
+        return self.current_epoch
+
+    @property
+    def trained_step(self) -> int:
+        """The optimiser steps behind the weights (``global_step``, or the checkpoint's outside ``fit``)."""
+        if self._restored_progress is not None and self.trainer.state.fn != "fit":
+            return self._restored_progress[1]
+        return self.global_step
 
     # ------------------------------------------------------------------------------------- checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -407,6 +508,7 @@ class DINO(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
         # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
+        self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
         state = checkpoint.get("rng_states")
         if not state:
             return

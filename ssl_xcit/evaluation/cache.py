@@ -91,7 +91,7 @@ def save_cached(
         "meta": _normalise_meta(meta),
         "tensors": {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
     }
-    return atomic_torch_save(entry, path)
+    return atomic_torch_save(entry, path, private=True)
 
 
 def files_fingerprint(paths: Iterable[str | os.PathLike], labels: Iterable[int] | None = None) -> str:

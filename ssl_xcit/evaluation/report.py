@@ -31,4 +31,20 @@ def format_linear_table(results: dict[str, Any]) -> str:
     for r in rows:
         star = " *" if r == best else ""
         lines.append(f"{r['base_lr']:>10.2g} {r['lr']:>10.3g} {r['top1']:>7.2f} {r['top5']:>7.2f}{star}")
+    edge = sweep_edge(rows, best)
+    if edge:
+        lines.append(
+            f"note: the best base_lr {best['base_lr']:g} is the {edge} edge of the sweep; a "
+            f"{'higher' if edge == 'top' else 'lower'} one may be better (extend --lrs)"
+        )
     return "\n".join(lines)
+
+
+def sweep_edge(rows: list[dict[str, Any]], best: dict[str, Any]) -> str | None:
+    """``"top"``/``"bottom"`` when the best of a sweep of several lrs is its highest/lowest lr, else None."""
+    lrs = sorted({r["base_lr"] for r in rows})
+    if len(lrs) < 2 or not best:
+        return None
+    if best["base_lr"] == lrs[-1]:
+        return "top"
+    return "bottom" if best["base_lr"] == lrs[0] else None

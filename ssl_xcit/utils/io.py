@@ -3,6 +3,10 @@
 Every checkpoint, cache and result file goes through :func:`atomic_write`: the bytes land in a temporary file
 in the same folder, are flushed to disk, then renamed over the target. A rename within one file system is
 atomic, so a run killed mid-write leaves either the old file or the new one, never half of one.
+
+File modes: a plain atomic write gets the mode ``open()`` would give (0666 minus the umask; ``mkstemp`` alone
+would make every file 0600). ``private=True`` (checkpoints, exported weights, feature caches) makes the file
+0600 and a folder it has to create 0700, so a shared group cannot read a colleague's weights.
 """
 
 from __future__ import annotations
@@ -18,14 +22,40 @@ from typing import IO, Any
 
 import torch
 
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
 
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
-    """Open a temporary file next to ``path``; on a clean exit it replaces ``path``, on error it is removed."""
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back: there is no read-only call)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def make_private_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` (and missing parents) with ``path`` itself 0700; an existing folder is left as it is."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=PRIVATE_DIR)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb", private: bool = False) -> Iterator[IO[Any]]:
+    """Open a temporary file next to ``path``; on a clean exit it replaces ``path``, on error it is removed.
+
+    The file gets ``open()``'s mode (0666 minus the umask), or 0600 with ``private`` (see the module doc).
+    """
+    path = Path(path)
+    if private:
+        make_private_dir(path.parent)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, PRIVATE_FILE if private else 0o666 & ~current_umask())
         with os.fdopen(fd, mode) as handle:
             yield handle
             handle.flush()
@@ -37,9 +67,9 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]
         raise
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` that never leaves a truncated file behind."""
-    with atomic_write(path, "wb") as handle:
+def atomic_torch_save(obj: Any, path: str | os.PathLike, private: bool = False) -> Path:
+    """``torch.save`` that never leaves a truncated file behind (0600 with ``private``)."""
+    with atomic_write(path, "wb", private=private) as handle:
         torch.save(obj, handle)
     return Path(path)
 

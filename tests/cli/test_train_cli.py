@@ -6,82 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from ssl_xcit.cli.export import main as export_main
 from ssl_xcit.cli.train import SSLXCiTCLI, main
 
+from .conftest import TINY_ARGS, tiny_config  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
-
-# A tiny DINO: 1-block XCiT-N/8, small head, 16/8 px crops; runs in seconds.
-TINY_ARGS = [
-    "--model.init_args.backbone=xcit_nano_12_p8",
-    "--model.init_args.backbone_kwargs={depth: 1}",
-    "--model.init_args.out_dim=64",
-    "--model.init_args.head_hidden_dim=32",
-    "--model.init_args.head_bottleneck_dim=16",
-    "--model.init_args.warmup_epochs=0",
-    "--model.init_args.warmup_teacher_temp_epochs=0",
-    "--data.init_args.batch_size=4",
-    "--data.init_args.num_workers=0",
-    "--data.init_args.persistent_workers=false",
-    "--data.init_args.global_crops_size=16",
-    "--data.init_args.local_crops_size=8",
-    "--data.init_args.local_crops_number=2",
-    "--data.init_args.eval_resize=16",
-    "--data.init_args.eval_crop=16",
-    "--trainer.max_epochs=1",
-    "--trainer.log_every_n_steps=1",
-    "--trainer.accelerator=cpu",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-]
-
-
-@pytest.fixture(scope="module")
-def image_folder(tmp_path_factory) -> Path:
-    """2 classes x 8 tiny JPEGs (train) and 2 x 3 (val) in ImageFolder layout."""
-    root = tmp_path_factory.mktemp("images")
-    gen = torch.Generator().manual_seed(0)
-    for split, n in (("train", 8), ("val", 3)):
-        for c, colour in enumerate(((200, 30, 30), (30, 30, 200))):
-            folder = root / split / f"class{c}"
-            folder.mkdir(parents=True)
-            for i in range(n):
-                noise = torch.randint(0, 40, (24, 24, 3), generator=gen).numpy().astype("uint8")
-                image = Image.new("RGB", (24, 24), colour)
-                Image.fromarray((noise + __import__("numpy").asarray(image) // 2).astype("uint8")).save(
-                    folder / f"{i}.jpg"
-                )
-    return root
-
-
-def _tiny_config(tmp_path: Path, image_folder: Path) -> list[str]:
-    run = tmp_path / "run"
-    config = f"""
-seed_everything: 0
-trainer:
-  default_root_dir: {run}
-  logger:
-    - class_path: lightning.pytorch.loggers.CSVLogger
-      init_args: {{save_dir: {run}, name: csv}}
-  callbacks:
-    - class_path: ssl_xcit.dino.callbacks.OnlineKNN
-      init_args: {{k: 3, evaluate_at_start: true}}
-    - class_path: ssl_xcit.dino.checkpointing.DINOCheckpoint
-      init_args: {{dirpath: {run / "checkpoints"}, every_n_epochs: 1}}
-model:
-  class_path: ssl_xcit.dino.module.DINO
-data:
-  class_path: ssl_xcit.data.DINODataModule
-  init_args:
-    root: {image_folder / "train"}
-    val_root: {image_folder / "val"}
-"""
-    path = tmp_path / "tiny.yaml"
-    path.write_text(config)
-    return ["-c", str(path), *TINY_ARGS]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
@@ -106,6 +38,7 @@ def test_s12_8_recipe_builds_the_published_model(tmp_path):
             # this machine has no GPU cluster: only the Trainer's hardware is overridden
             "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1",
             "--trainer.strategy=auto", "--trainer.precision=32", "--trainer.logger=false",
+            f"--run_dir={tmp_path / 'run'}",  # not a version folder in the repo's runs/
         ],
     )  # fmt: skip
     model = cli.model
@@ -119,11 +52,13 @@ def test_s12_8_recipe_builds_the_published_model(tmp_path):
     assert cli.datamodule.hparams.global_crops_scale == (0.3, 1.0) or list(
         cli.datamodule.hparams.global_crops_scale
     ) == [0.3, 1.0]
+    # VISSL's XCiT-DINO colour distortion (strength 0.5): saturation 0.4, not DINO-ViT's 0.2
+    assert list(cli.datamodule.hparams.color_jitter) == [0.4, 0.4, 0.4, 0.1]
 
 
 def test_config_typo_is_named(tmp_path, image_folder, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *_tiny_config(tmp_path, image_folder), "--model.init_args.teacher_tmp=0.04"])
+        main(["fit", *tiny_config(tmp_path, image_folder), "--model.init_args.teacher_tmp=0.04"])
     assert exit_info.value.code == 2
     assert "teacher_tmp" in capsys.readouterr().err
     bad = tmp_path / "typo.yaml"
@@ -137,20 +72,20 @@ def test_config_typo_is_named(tmp_path, image_folder, capsys):
 
 def test_wrong_model_name_and_data_path_are_named(tmp_path, image_folder):
     with pytest.raises(ValueError, match="xcit_bogus_12_p16"):
-        main(["fit", *_tiny_config(tmp_path, image_folder), "--model.init_args.backbone=xcit_bogus_12_p16"])
+        main(["fit", *tiny_config(tmp_path, image_folder), "--model.init_args.backbone=xcit_bogus_12_p16"])
     missing = tmp_path / "no_such_folder"
     # jsonargparse re-raises instantiation errors of subclass-mode arguments as ValueError, message kept
     with pytest.raises((FileNotFoundError, ValueError), match="no_such_folder does not exist"):
-        main(["fit", *_tiny_config(tmp_path, image_folder), f"--data.init_args.root={missing}"])
+        main(["fit", *tiny_config(tmp_path, image_folder), f"--data.init_args.root={missing}"])
 
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory, image_folder):
     """One tiny `ssl-xcit fit` run shared by the tests below: (trainer, config args, last.ckpt)."""
     tmp_path = tmp_path_factory.mktemp("fit")
-    args = _tiny_config(tmp_path, image_folder)
+    args = tiny_config(tmp_path, image_folder)
     cli = main(["fit", *args])
-    return cli.trainer, args, tmp_path / "run" / "checkpoints" / "last.ckpt"
+    return cli.trainer, args, tmp_path / "runs" / "version_0" / "checkpoints" / "last.ckpt"
 
 
 def test_fit_writes_checkpoints_and_online_knn(fitted):

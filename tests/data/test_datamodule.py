@@ -173,3 +173,17 @@ def test_flowers5_fixed_split(shared_data):
     assert again.val_dataset.samples == dm.val_dataset.samples
     crops, labels, _ = next(iter(dm.train_dataloader()))
     assert len(crops) == 4 and crops[0].shape == (2, 3, 16, 16)
+
+
+def test_verify_images_count_is_the_readable_one(tmp_path, caplog):
+    import logging
+
+    root = make_tree(tmp_path / "data", per_class=8)
+    for name in ("ant/0.png", "bee/1.png"):
+        (root / name).write_bytes(b"not an image")
+    dm = DINODataModule(root=str(root), batch_size=4, verify_images=True, **SMALL_CROPS)
+    with caplog.at_level(logging.INFO), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one warning per unreadable file, tested elsewhere
+        dm.setup("fit")
+    assert "verify_images: 2 of 16 training images are unreadable" in caplog.text
+    assert "DINO data: 14 training images (2 classes; 2 unreadable skipped)" in caplog.text

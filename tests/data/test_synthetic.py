@@ -160,3 +160,12 @@ def test_shapes_are_learnable_far_beyond_raw_pixels(tmp_path):
     print(f"supervised CNN val top-1 {learned:.3f}, raw-pixel k-NN {raw:.3f}")
     # Measured: 0.51 learned vs 0.17 raw-pixel k-NN (chance 0.10) after 8 epochs on 1,200 images.
     assert learned > 0.35 and learned > raw + 0.2, (learned, raw)
+
+
+def test_generation_says_so_in_one_line_once(tmp_path, capsys):
+    root = ensure_synthetic_dataset(tmp_path / "said", **SMALL)
+    err = capsys.readouterr().err
+    total = len(CLASSES) * (SMALL["num_train_per_class"] + SMALL["num_val_per_class"])
+    assert err == f"generating the built-in dataset: {total:,} images into {root} (once) ...\n"
+    ensure_synthetic_dataset(tmp_path / "said", **SMALL)
+    assert capsys.readouterr().err == ""  # already there: silent

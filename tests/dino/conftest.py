@@ -51,7 +51,7 @@ def tiny_model(**overrides) -> DINO:
 
 
 def tiny_trainer(tmp_path, max_epochs: int = 2, callbacks=(), **kwargs) -> L.Trainer:
-    from ssl_xcit.dino.checkpointing import DINOCheckpoint
+    from ssl_xcit.dino.checkpointing import dino_checkpoints
 
     return L.Trainer(
         max_epochs=max_epochs,
@@ -61,7 +61,7 @@ def tiny_trainer(tmp_path, max_epochs: int = 2, callbacks=(), **kwargs) -> L.Tra
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[*callbacks, DINOCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1)],
+        callbacks=[*callbacks, *dino_checkpoints(dirpath=tmp_path / "ckpt", every_n_epochs=1)],
         default_root_dir=tmp_path,
         **kwargs,
     )

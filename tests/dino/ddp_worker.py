@@ -19,12 +19,18 @@ STEPS = 2
 
 
 class FixedCrops(Dataset):
-    """Deterministic crops (no RNG), so both runs see identical pixels."""
+    """Deterministic crops (no RNG), so both runs see identical pixels. With ``unreadable``, those indices
+    stand for files that failed to decode (``None``, as ``ImageDataset`` returns)."""
+
+    def __init__(self, unreadable: frozenset[int] = frozenset()) -> None:
+        self.unreadable = unreadable
 
     def __len__(self) -> int:
         return GLOBAL_BATCH * STEPS
 
     def __getitem__(self, i: int):
+        if i in self.unreadable:
+            return None
         g = torch.Generator().manual_seed(1000 + i)
         crops = [torch.randn(3, s, s, generator=g) + (i % 3) for s in (16, 16, 8, 8)]
         return crops, i % 3, i
@@ -35,7 +41,9 @@ class Record(L.Callback):
         self.losses, self.centers, self.indices = [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is None:  # a skipped batch
+            return
         self.losses.append(float(loss))
         self.indices.append(batch[2].tolist())
         self.centers.append(pl_module.dino_loss.center.detach().clone())
@@ -65,7 +73,10 @@ def initial_student() -> dict:
     return {k: v.clone() for k, v in build().student.state_dict().items()}
 
 
-def run(out_dir: str | Path, world_size: int) -> dict:
+def run(out_dir: str | Path, world_size: int, empty_first_batch_on_rank1: bool = False) -> dict:
+    """With ``empty_first_batch_on_rank1`` every image of rank 1's first batch is unreadable."""
+    from ssl_xcit.data.datasets import collate_train
+
     model = build()
     record = Record()
     trainer = L.Trainer(
@@ -83,13 +94,20 @@ def run(out_dir: str | Path, world_size: int) -> dict:
         # the single-process batch (rank r gets samples r, r + 2, ...).
         use_distributed_sampler=False,
     )
-    dataset = FixedCrops()
+    # Unshuffled DistributedSampler: rank 1's first batch is samples 1, 3, 5, 7.
+    dataset = FixedCrops(frozenset({1, 3, 5, 7}) if empty_first_batch_on_rank1 else frozenset())
     sampler = None
     if world_size > 1:
         sampler = DistributedSampler(
             dataset, world_size, int(os.environ["RANK"]), shuffle=False, drop_last=True
         )
-    loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // world_size, sampler=sampler, drop_last=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=GLOBAL_BATCH // world_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=collate_train,
+    )
     trainer.fit(model, loader)
     result = {
         "losses": record.losses,
@@ -98,10 +116,12 @@ def run(out_dir: str | Path, world_size: int) -> dict:
         "student": {k: v.detach().clone() for k, v in model.student.state_dict().items()},
         "bn_types": sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}),
         "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "skipped_batches": model.skipped_batches,
     }
     torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}_of{world_size}.pt")
     return result
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]))
+    run(sys.argv[1], int(sys.argv[2]), empty_first_batch_on_rank1=sys.argv[3:] == ["empty"])

@@ -21,15 +21,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.distributed
-def test_ddp_center_loss_and_weights_match_single_process(tmp_path):
+def _torchrun(tmp_path, *extra: str, timeout: int = 300) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-        f"--master_port={_free_port()}", str(WORKER), str(tmp_path), "2",
+        f"--master_port={_free_port()}", str(WORKER), str(tmp_path), "2", *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_ddp_rank_with_unreadable_batch_does_not_hang(tmp_path):
+    """Rank 1's first batch is all unreadable: both ranks skip that step together, then train in step."""
+    _torchrun(tmp_path, "empty", timeout=180)  # a hang would end in TimeoutExpired
+    ranks = [torch.load(tmp_path / f"rank{r}_of2.pt", weights_only=True) for r in range(2)]
+    assert [r["global_step"] for r in ranks] == [1, 1]
+    assert [r["skipped_batches"] for r in ranks] == [1, 1]
+    for key, value in ranks[0]["student"].items():
+        torch.testing.assert_close(ranks[1]["student"][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_ddp_center_loss_and_weights_match_single_process(tmp_path):
+    _torchrun(tmp_path)
 
     spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
     worker = importlib.util.module_from_spec(spec)

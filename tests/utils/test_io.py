@@ -24,3 +24,39 @@ def test_json_and_hashes(tmp_path):
     (tmp_path / "x").write_bytes(b"abc")
     assert sha256_file(tmp_path / "x") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     assert sha256_json({"a": 1, "b": 2}) == sha256_json({"b": 2, "a": 1})
+
+
+@pytest.fixture
+def umask_027():
+    import os
+
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def _mode(path) -> int:
+    import stat
+
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_atomic_writes_honour_the_umask_like_open(tmp_path, umask_027):
+    plain = tmp_path / "plain.json"
+    with open(plain, "w") as handle:
+        handle.write("{}")
+    atomic_write_json({}, tmp_path / "atomic.json")
+    atomic_torch_save({"x": 1}, tmp_path / "atomic.pt")
+    assert _mode(plain) == 0o640
+    assert _mode(tmp_path / "atomic.json") == 0o640 and _mode(tmp_path / "atomic.pt") == 0o640
+
+
+def test_private_writes_are_owner_only(tmp_path, umask_027):
+    from ssl_xcit.utils.io import make_private_dir
+
+    path = atomic_torch_save({"w": torch.ones(2)}, tmp_path / "new_folder" / "last.ckpt", private=True)
+    assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
+    existing = tmp_path / "mine"
+    existing.mkdir(mode=0o755)
+    existing.chmod(0o755)
+    assert _mode(make_private_dir(existing)) == 0o755  # a folder the user made is left as it is

@@ -52,3 +52,32 @@ def test_overlay_blends_exactly():
     assert full[0, 1].tolist() == [255, 255, 255] and full[0, 0].tolist() == [0, 0, 0]
     with pytest.raises(ValueError, match="differ in size"):
         overlay(image, np.zeros((3, 3)))
+
+
+def test_mass_mask_keeps_the_smallest_set_holding_the_fraction():
+    from ssl_xcit.visualize.attention import mass_mask
+
+    heat = torch.tensor([[0.5, 0.1], [0.3, 0.1]])
+    assert mass_mask(heat, 0.6).tolist() == [
+        [True, False],
+        [True, False],
+    ]  # 0.5 alone < 0.6, + 0.3 crosses it
+    assert mass_mask(heat, 0.5).tolist() == [[True, False], [False, False]]
+    assert mass_mask(heat, 1.0).all()
+
+
+def test_unsupported_backbone_is_named():
+    from ssl_xcit.models.base import Backbone
+    from ssl_xcit.visualize.common import VisualizeError
+
+    class Pooled(Backbone):
+        family, name = "toy", "toy_pooled"
+
+    with pytest.raises(VisualizeError, match=r"backbone toy_pooled \(toy\) has no attention maps"):
+        attention_heatmaps(Pooled(), torch.randn(1, 3, 32, 32))
+
+
+def test_any_resolution_768_px_non_square(model):
+    maps = attention_heatmaps(model, torch.randn(1, 3, 512, 768))
+    assert maps.shape == (1, 4, 512, 768)
+    assert torch.allclose(maps.sum((-2, -1)), torch.ones(1, 4), atol=1e-4)

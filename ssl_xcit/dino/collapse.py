@@ -1,0 +1,103 @@
+"""Collapse guard: notice when DINO's teacher has collapsed, say so once with the numbers and the remedy.
+
+DINO has two failure modes that its loss hides (the loss of a collapsed run is flat and plausible):
+
+- **uniform**: centring wins, every teacher output is the uniform distribution. Per-sample entropy sits at
+  ln(K) and the KL of the mean output to uniform at 0; the student learns nothing.
+- **one prototype**: sharpening wins, one prototype takes every image. Per-sample entropy goes to 0 and the
+  KL of the mean output to uniform to ln(K).
+
+A healthy teacher is confident per sample (entropy well below ln K) and spread over the batch (KL well below
+ln K). The guard watches both signals of every training step and reports a mode only once it has held for
+``patience`` consecutive steps after ``grace_steps`` (a random-init teacher starts near uniform).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+
+REMEDIES = {
+    "uniform": (
+        "a sharper teacher (lower warmup_teacher_temp/teacher_temp), centering: sinkhorn_knopp, fewer "
+        "prototypes (out_dim), a faster EMA (lower momentum_teacher) or a higher lr"
+    ),
+    "one_prototype": "a lower lr, a higher teacher temperature, or centering: sinkhorn_knopp",
+}
+
+
+def collapse_mode(
+    entropy: float, kl_to_uniform: float, out_dim: int, uniform_fraction: float = 0.95, kl_eps: float = 0.05
+) -> Literal["uniform", "one_prototype"] | None:
+    """The collapse mode one step's signals show, or None when healthy.
+
+    uniform: entropy >= ``uniform_fraction`` x ln K and KL <= ``kl_eps``; one prototype: entropy <= 5 % of
+    ln K and KL >= half of ln K (low entropy alone is a confident, healthy teacher).
+    """
+    log_k = math.log(out_dim)
+    if entropy >= uniform_fraction * log_k and kl_to_uniform <= kl_eps:
+        return "uniform"
+    if entropy <= 0.05 * log_k and kl_to_uniform >= 0.5 * log_k:
+        return "one_prototype"
+    return None
+
+
+class CollapseGuard(Callback):
+    """Warn once (or stop the run) when a collapse mode holds for ``patience`` steps.
+
+    Args:
+        action: ``warn`` (once per mode), ``stop`` (end training with a message), or ``off``.
+        patience: consecutive training steps a mode must hold.
+        grace_steps: steps ignored at the start, while a random-init teacher is still near uniform.
+
+    Logs ``collapse/uniform`` and ``collapse/one_prototype`` (1 while the mode holds); ``events`` keeps
+    ``{"mode", "step", "entropy", "kl_to_uniform"}`` per detection.
+    """
+
+    def __init__(
+        self, action: Literal["warn", "stop", "off"] = "warn", patience: int = 50, grace_steps: int = 100
+    ) -> None:
+        super().__init__()
+        if action not in ("warn", "stop", "off"):
+            raise ValueError(f"collapse guard action must be 'warn', 'stop' or 'off', got {action!r}")
+        if patience < 1:
+            raise ValueError(f"collapse guard patience must be >= 1, got {patience}")
+        self.action, self.patience, self.grace_steps = action, patience, grace_steps
+        self.events: list[dict[str, Any]] = []
+        self._run: dict[str, int] = {"uniform": 0, "one_prototype": 0}
+        self._reported: set[str] = set()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        signals = getattr(pl_module, "last_collapse_signals", None)
+        if self.action == "off" or signals is None or trainer.global_step < self.grace_steps:
+            return
+        entropy, kl = signals
+        out_dim = pl_module.hparams.out_dim
+        mode = collapse_mode(entropy, kl, out_dim)
+        for name in self._run:
+            self._run[name] = self._run[name] + 1 if mode == name else 0
+            pl_module.log(f"collapse/{name}", float(mode == name), on_step=True, on_epoch=False)
+        if mode is None or self._run[mode] < self.patience or mode in self._reported:
+            return
+        self._reported.add(mode)
+        event = {"mode": mode, "step": trainer.global_step, "entropy": entropy, "kl_to_uniform": kl}
+        self.events.append(event)
+        message = (
+            f"DINO teacher collapse ({mode.replace('_', ' ')}) for {self.patience} steps at step "
+            f"{trainer.global_step}: teacher entropy {entropy:.3f} (ln K = {math.log(out_dim):.3f}), "
+            f"KL to uniform {kl:.4f}. Try {REMEDIES[mode]}."
+        )
+        if self.action == "stop":
+            trainer.should_stop = True
+            message += " Training stopped (collapse guard action 'stop')."
+        rank_zero_warn(message)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"events": self.events, "reported": sorted(self._reported)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.events = list(state_dict.get("events", []))
+        self._reported = set(state_dict.get("reported", []))

@@ -1,0 +1,232 @@
+"""CrossFormer++ (Wang et al., TPAMI 2023): cross-scale embeddings, SDA/LDA attention, dynamic position bias (DPB),
+progressive group size (PGS) and the amplitude cooling layer (ACL).
+
+Parameter names and shapes follow the official classification code (``cheerss/CrossFormer``, ``models/
+crossformer.py``), so its released checkpoints load strictly. Unlike that code, nothing depends on a fixed image
+size: grouping, padding masks and the DPB index are computed per forward from the feature-map size (cached per
+size), and whether a block falls back to global attention is decided per call, never stored (the official
+detection backbone stores it and so breaks after one small input, see backbones.md section 2.7).
+
+Data path: CEL (4 convs, stride 4) -> stage 1 -> CEL -> stage 2 -> CEL -> stage 3 -> CEL -> stage 4 -> LN ->
+mean over tokens. Stage 3 tokens (stride 16), normed by the following CEL's input LayerNorm, are the dense
+descriptors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+from timm.layers import trunc_normal_
+from torch import Tensor, nn
+
+from ssl_xcit.models.base import Backbone
+from ssl_xcit.models.crossformerpp_layers import PatchEmbed, Stage
+
+_COMMON = dict(
+    patch_size=(4, 8, 16, 32),
+    merge_size=((2, 4), (2, 4), (2, 4)),
+    group_size=(4, 4, 14, 7),  # PGS, configs/crossformer_pp/*.yaml (GROUP_TYPE constant)
+    interval=(4, 2, 1, 1),  # LDA interval of the code; the paper's Table 1 prints 4,4,1,1 (backbones.md 5)
+    mlp_ratio=4.0,
+    use_acl=True,
+)
+VARIANTS: dict[str, dict] = {
+    "crossformerpp_small": dict(_COMMON, embed_dim=64, depths=(2, 2, 18, 2), num_heads=(2, 4, 8, 16)),
+    "crossformerpp_base": dict(_COMMON, embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
+    "crossformerpp_large": dict(_COMMON, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
+    "crossformerpp_huge": dict(_COMMON, embed_dim=128, depths=(6, 6, 18, 2), num_heads=(4, 8, 16, 32)),
+}
+# Stochastic depth of the supervised ImageNet configs (DROP_PATH_RATE in the official yaml files).
+SUPERVISED_DROP_PATH = {
+    "crossformerpp_small": 0.2,
+    "crossformerpp_base": 0.3,
+    "crossformerpp_large": 0.5,
+    "crossformerpp_huge": 0.5,
+}
+
+
+class CrossFormerPP(Backbone):
+    """CrossFormer++ with official parameter names, any input whose sides are multiples of 32.
+
+    Args:
+        embed_dim, depths, num_heads: stage-1 width, blocks per stage, heads per stage (head dim 32).
+        group_size, interval: per-stage group size G (PGS) and LDA interval I.
+        patch_size, merge_size: kernel sizes of the stage-1 CEL and of the three merging CELs.
+        num_classes: linear head on the pooled embedding; 0 (self-supervised default) returns the embedding.
+        drop_path_rate: stochastic depth, linear from 0 over all blocks (official rule).
+        use_acl: amplitude cooling layers after every third block of a stage (never its last).
+        name: registry name, for error messages and checkpoint metadata.
+    """
+
+    family = "crossformerpp"
+    size_multiple = 32  # four stages: stride 4, then three stride-2 merges
+
+    def __init__(
+        self,
+        embed_dim: int = 64,
+        depths: Sequence[int] = (2, 2, 18, 2),
+        num_heads: Sequence[int] = (2, 4, 8, 16),
+        group_size: Sequence[int] = (4, 4, 14, 7),
+        interval: Sequence[int] = (4, 2, 1, 1),
+        patch_size: Sequence[int] = (4, 8, 16, 32),
+        merge_size: Sequence[Sequence[int]] = ((2, 4), (2, 4), (2, 4)),
+        in_chans: int = 3,
+        num_classes: int = 0,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        use_acl: bool = True,
+        name: str = "crossformerpp",
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.num_classes = num_classes
+        self.depths = tuple(depths)
+        n_stages = len(depths)
+        self.stage_dims = [embed_dim * 2**i for i in range(n_stages)]
+        self.num_features = self.embed_dim = self.stage_dims[-1]
+        self.dense_dim = self.stage_dims[2]
+        self.size_multiple = patch_size[0] * 2 ** (n_stages - 1)
+        self.grad_checkpointing = False
+
+        self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
+        self.pos_drop = nn.Dropout(drop_rate)
+        total = sum(depths)
+        dpr = [drop_path_rate * i / max(total - 1, 1) for i in range(total)]  # = torch.linspace, meta-safe
+        starts = [sum(depths[:i]) for i in range(n_stages)]
+        self.layers = nn.ModuleList(
+            Stage(
+                self.stage_dims[i],
+                depths[i],
+                num_heads[i],
+                group_size[i],
+                interval[i],
+                merge=merge_size[i] if i < n_stages - 1 else None,
+                use_acl=use_acl,
+                drop_path=dpr[starts[i] : starts[i] + depths[i]],
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                drop=drop_rate,
+                attn_drop=attn_drop_rate,
+            )  # fmt: skip
+            for i in range(n_stages)
+        )
+        self.norm = nn.LayerNorm(self.num_features)
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self._register_load_state_dict_pre_hook(_drop_size_bound_buffers)
+        self.apply(_init_weights)
+
+    def check_input(self, x: Tensor) -> None:
+        """ValueError naming the size when a side is not a multiple of 32 (the total stride of the 4 stages)."""
+        try:
+            super().check_input(x)
+        except ValueError as err:
+            if x.ndim != 4:
+                raise
+            raise ValueError(f"{err}; CrossFormer++ embeds at stride 4 and halves the map 3 times") from None
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute block activations in the backward pass: less memory for high resolutions."""
+        self.grad_checkpointing = enable
+
+    def no_weight_decay_keywords(self) -> set[str]:
+        return {"pos"}  # DPB MLPs play the role of a relative-position table
+
+    # ------------------------------------------------------------------ forward
+    def _blocks(self, x: Tensor, stop: int | None = None):
+        """Yield (global block index, stage, tokens after the block, grid), running stage merges in between."""
+        self.check_input(x)
+        x, (h, w) = self.patch_embed(x)
+        x = self.pos_drop(x)
+        index = 0
+        for s, stage in enumerate(self.layers):
+            if s > 0:
+                x, (h, w) = self.layers[s - 1].downsample(x, h, w)
+            for block in stage.blocks:
+                if self.grad_checkpointing and torch.is_grad_enabled():
+                    x = torch.utils.checkpoint.checkpoint(block, x, h, w, use_reentrant=False)
+                else:
+                    x = block(x, h, w)
+                yield index, s, x, (h, w)
+                index += 1
+                if stop is not None and index > stop:
+                    return
+
+    def _stage_norm(self, stage: int) -> nn.LayerNorm:
+        """LN applied to a stage's tokens: the next CEL's input LN, or the final LN after stage 4."""
+        return self.layers[stage].downsample.norm if stage < len(self.layers) - 1 else self.norm
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """Stage-4 tokens after the final LN, (B, H/32 * W/32, 8C)."""
+        return self.norm(deque(self._blocks(x), maxlen=1)[0][2])
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = x.mean(dim=1)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Mean of the normed stage-4 tokens (B, 8C) when ``num_classes == 0``, logits otherwise."""
+        return self.forward_head(self.forward_features(x))
+
+    def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """Stage-3 tokens (B, H/16 * W/16, 4C), normed by the stage-4 CEL's input LN, and their grid."""
+        last = sum(self.depths[:3]) - 1
+        for index, stage, tokens, grid in self._blocks(x, stop=last):
+            if index == last:
+                return self._stage_norm(stage)(tokens), grid
+        raise AssertionError("unreachable: stage 3 always runs")
+
+    # -------------------------------------------------------- evaluation access
+    def _block_indices(self, n: int | Sequence[int]) -> list[int]:
+        total = sum(self.depths)
+        indices = list(range(total - n, total)) if isinstance(n, int) else [int(i) for i in n]
+        bad = [i for i in indices if not -total <= i < total]
+        if bad or not indices:
+            raise ValueError(
+                f"block indices {bad or indices} are out of range for {self.name} with {total} blocks "
+                f"(stages of {list(self.depths)} blocks, indexed globally)"
+            )
+        return sorted(i % total for i in indices)
+
+    def _intermediates(self, x: Tensor, n: int | Sequence[int]) -> list[tuple[int, Tensor]]:
+        wanted = self._block_indices(n)
+        return [(s, t) for i, s, t, _ in self._blocks(x, stop=wanted[-1]) if i in wanted]
+
+    def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Tokens (B, N_s, C_s) after chosen blocks, indexed over all stages' blocks (0 .. sum(depths) - 1);
+        width and token count are those of the block's stage."""
+        return [tokens for _, tokens in self._intermediates(x, n)]
+
+    def get_intermediate_cls(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Per chosen block, the mean of its tokens after the LN that follows its stage, (B, C_s); for the last
+        block this equals ``forward`` of a headless model."""
+        return [self._stage_norm(s)(t).mean(dim=1) for s, t in self._intermediates(x, n)]
+
+
+def _init_weights(module: nn.Module) -> None:
+    """Official init: Linear trunc-normal(0.02) with zero bias; LN (1, 0); convs keep PyTorch's default."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+_SIZE_BOUND = (".attn.biases", ".attn.relative_position_index", ".attn_mask")
+
+
+def _drop_size_bound_buffers(state_dict: dict, prefix: str, *args) -> None:
+    """Checkpoints of the v1 code store DPB offsets, index and masks built for one image size (backbones.md 5.7);
+    they are recomputed per input here, so they are dropped rather than reported as unexpected keys."""
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(_SIZE_BOUND)]:
+        del state_dict[key]
+
+
+def create(name: str, **overrides) -> CrossFormerPP:
+    """Build a named variant; ``overrides`` replace constructor arguments (e.g. ``drop_path_rate``)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown CrossFormer++ variant {name!r}; known: {', '.join(VARIANTS)}")
+    return CrossFormerPP(**{**VARIANTS[name], **overrides, "name": name})

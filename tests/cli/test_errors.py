@@ -1,0 +1,117 @@
+"""Expected user errors end every command with one or two lines and exit status 2; ``--traceback`` or
+``SSL_XCIT_TRACEBACK=1`` gives the full traceback. Run through the console entry point, in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+from ssl_xcit.cli import console_main
+from ssl_xcit.cli.errors import HINT, suggest_key
+
+from .conftest import tiny_config
+
+
+def _fails(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        console_main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Namespace(" not in err
+    lines = err.strip().splitlines()
+    assert 2 <= len(lines) <= 3 and lines[-1] == HINT, err  # message (+ suggestion) + the hint
+    return err
+
+
+def test_suggest_key_names_the_closest_valid_key():
+    message = (
+        "Problem with given class_path 'ssl_xcit.dino.module.DINO':\n  Option 'warmup_epoch' is not accepted"
+    )
+    assert suggest_key(message, []) == "unknown key `warmup_epoch`: did you mean `warmup_epochs`?"
+    assert suggest_key("Unrecognized arguments: --trainer.max_epocs 3", ["--trainer.max_epochs"]) == (
+        "unknown key `max_epocs`: did you mean `max_epochs`?"
+    )
+    assert suggest_key("some other error", ["--x"]) is None
+
+
+def test_fit_config_typos_suggest_the_key(tmp_path, image_folder, capsys):
+    args = tiny_config(tmp_path, image_folder)
+    err = _fails(["fit", *args, "--model.init_args.teacher_tmp=0.04"], capsys)
+    assert "did you mean `teacher_temp`?" in err
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(
+        "model:\n  class_path: ssl_xcit.dino.module.DINO\n  init_args:\n    momentum_techer: 0.99\n"
+    )
+    err = _fails(["fit", "-c", str(bad)], capsys)
+    assert "'momentum_techer' is not accepted" in err and "did you mean `momentum_teacher`?" in err
+
+
+def test_fit_bad_data_root_and_backbone(tmp_path, image_folder, capsys):
+    args = tiny_config(tmp_path, image_folder)
+    missing = tmp_path / "no_such_folder"
+    err = _fails(["fit", *args, f"--data.init_args.root={missing}"], capsys)
+    assert err.startswith(
+        f"ssl-xcit fit: error: data.root {missing} does not exist; expected an image folder"
+    )
+    err = _fails(["fit", *args, "--model.init_args.backbone=xcit_bogus"], capsys)
+    assert "unknown model 'xcit_bogus'; valid names: xcit_nano_12_p16" in err
+    # Lightning's MisconfigurationException is a user error too
+    err = _fails(["fit", *args, "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], capsys)
+    assert "enable_progress_bar=False" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = _fails(["fit", *args, f"--data.init_args.root={empty}"], capsys)
+    assert str(empty) in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no empty run left
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["knn", "--weights", "{tmp}/missing.pth", "--train", "{tmp}", "--val", "{tmp}"], "weights file not found"),
+        (["knn", "--arch", "xcit_bogus", "--train", "{img}/train", "--val", "{img}/val"], "unknown model 'xcit_bogus'"),
+        (["knn", "--arch", "xcit_nano_12_p16", "--train", "{tmp}/empty", "--val", "{tmp}/empty"], "is empty"),
+        (["linear", "--weights", "{tmp}/missing.pth", "--train", "{tmp}", "--val", "{tmp}"], "weights file not found"),
+        (["retrieval", "--weights", "{tmp}/missing.pth", "--dataset", "holidays", "--data-root", "{tmp}"],
+         "no Holidays images"),
+        (["export", "{tmp}/missing.ckpt", "{tmp}/out.pth"], "missing.ckpt does not exist"),
+        (["models", "xcit_bogus"], "unknown model 'xcit_bogus'"),
+    ],
+    ids=["knn-weights", "knn-arch", "knn-empty", "linear-weights", "retrieval-root", "export", "models"],
+)  # fmt: skip
+def test_every_command_reports_user_errors_briefly(argv, expected, tmp_path, image_folder, capsys):
+    (tmp_path / "empty").mkdir()
+    argv = [a.format(tmp=tmp_path, img=image_folder) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        console_main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"ssl-xcit {argv[0]}: error:" in err and expected in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2
+
+
+def test_traceback_flag_and_env_show_the_real_exception(tmp_path, monkeypatch):
+    argv = [
+        "knn",
+        "--weights",
+        str(tmp_path / "missing.pth"),
+        "--train",
+        str(tmp_path),
+        "--val",
+        str(tmp_path),
+    ]
+    with pytest.raises(FileNotFoundError, match="weights file not found"):
+        console_main([*argv, "--traceback"])
+    monkeypatch.setenv("SSL_XCIT_TRACEBACK", "1")
+    with pytest.raises(FileNotFoundError, match="weights file not found"):
+        console_main(argv)
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    import ssl_xcit.cli.models as models_cli
+
+    def broken(argv):
+        raise RuntimeError("internal bug")
+
+    monkeypatch.setattr(models_cli, "main", broken)
+    with pytest.raises(RuntimeError, match="internal bug"):
+        console_main(["models"])

@@ -1,0 +1,72 @@
+"""Sinkhorn-Knopp centring (DINOv2) against an independent float64 computation, and inside the DINO loss."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ssl_xcit.dino.loss import DINOLoss, sinkhorn_knopp
+
+
+def reference_sinkhorn(scores: np.ndarray, iterations: int) -> np.ndarray:
+    """Scaling-vector form: P = exp(scores), targets = diag(a) P diag(b) with the prototype (column) scaling
+    and the sample (row) scaling updated alternately, rows finally summing to 1."""
+    p = np.exp(scores.astype(np.float64))
+    n, k = p.shape
+    a = np.full(n, 1.0 / p.sum())  # row scaling
+    b = np.ones(k)  # column scaling
+    for _ in range(iterations):
+        cols = (a[:, None] * p * b[None, :]).sum(0)
+        b = b / (cols * k)
+        rows = (a[:, None] * p * b[None, :]).sum(1)
+        a = a / (rows * n)
+    return n * a[:, None] * p * b[None, :]
+
+
+@pytest.mark.parametrize("iterations", [1, 3, 10])
+def test_sinkhorn_matches_independent_computation(iterations):
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(12, 7, generator=g) * 3
+    ours = sinkhorn_knopp(scores, iterations).double().numpy()
+    ref = reference_sinkhorn(scores.numpy(), iterations)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ours.sum(1), np.ones(12), rtol=1e-5)  # each row is a distribution
+
+
+def test_sinkhorn_equipartitions_a_collapsed_teacher():
+    """Every sample prefers prototype 0 (one-prototype collapse under softmax); Sinkhorn spreads the batch."""
+    scores = torch.zeros(64, 8)
+    scores[:, 0] = 5.0
+    scores += 0.5 * torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    softmax_share = torch.softmax(scores, dim=1).mean(0)
+    sk_share = sinkhorn_knopp(scores, 20).mean(0)
+    assert softmax_share[0] > 0.9
+    torch.testing.assert_close(sk_share, torch.full((8,), 1 / 8), atol=2e-3, rtol=0)
+
+
+def test_sinkhorn_is_finite_for_very_sharp_scores():
+    # cosine logits span [-1, 1]; at temperature 0.01 that is a spread of 200 in the exponent
+    scores = (torch.rand(16, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1) / 0.01
+    targets = sinkhorn_knopp(scores)
+    assert torch.isfinite(targets).all() and targets.dtype == torch.float32
+    torch.testing.assert_close(targets.sum(1), torch.ones(16))
+
+
+def test_loss_with_sinkhorn_uses_sk_targets_and_leaves_centre_alone():
+    g = torch.Generator().manual_seed(3)
+    batch, k, views = 4, 10, 4
+    student = torch.randn(views * batch, k, generator=g)
+    teacher = torch.randn(2 * batch, k, generator=g)
+    loss_fn = DINOLoss(k, warmup_teacher_temp=0.05, teacher_temp=0.05, centering="sinkhorn_knopp")
+    out = loss_fn(student, teacher, epoch=0)
+    targets = torch.from_numpy(reference_sinkhorn((teacher / 0.05).numpy(), 3)).float().chunk(2)
+    logp = torch.log_softmax(student / 0.1, dim=1).chunk(views)
+    terms = [(-targets[t] * logp[v]).sum(1).mean() for t in range(2) for v in range(views) if v != t]
+    assert float(out.loss) == pytest.approx(float(sum(terms) / len(terms)), rel=1e-5)
+    assert torch.count_nonzero(loss_fn.center) == 0
+
+
+def test_unknown_centering_is_named():
+    with pytest.raises(ValueError, match="centering must be 'ema' or 'sinkhorn_knopp', got 'sinkhorn'"):
+        DINOLoss(8, centering="sinkhorn")
