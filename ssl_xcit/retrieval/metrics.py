@@ -78,7 +78,10 @@ def map_and_precision(
     junk: Sequence[Sequence[int]] | None = None,
     kappas: Sequence[int] = KAPPAS,
 ) -> dict[str, object]:
-    """mAP and mP@k over the queries that have at least one positive (the others are skipped, AP = NaN)."""
+    """mAP and mP@k over the queries that have at least one positive (the others are skipped, AP = NaN).
+
+    A query's positives and junk must be disjoint (a ValueError names the overlap).
+    """
     n_q = len(positives)
     ranks = _as_rank_matrix(ranks, n_q)
     junk = junk if junk is not None else [[] for _ in range(n_q)]
@@ -88,6 +91,13 @@ def map_and_precision(
         ok = np.asarray(positives[i], dtype=np.int64)
         if ok.size == 0:
             continue
+        bad = np.intersect1d(ok, np.asarray(junk[i], dtype=np.int64))
+        if bad.size:
+            # revisitop's position rule would count such an image twice (AP can exceed 1): refuse it.
+            raise ValueError(
+                f"query {i}: database images {bad[:10].tolist()} are both positive and junk; "
+                "each image must be one or the other"
+            )
         pos = positive_positions(ranks[i], ok, np.asarray(junk[i], dtype=np.int64))
         aps[i] = average_precision(pos, ok.size)
         prs[i] = precision_at(pos, kappas) if pos.size else 0.0

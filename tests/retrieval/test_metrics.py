@@ -219,7 +219,13 @@ def test_positive_that_is_also_junk_counts_as_positive_like_revisitop():
     positives, junk = np.array([0, 2, 5]), np.array([0, 3])
     pos = positive_positions(ranking, positives, junk)
     assert pos.tolist() == revisitop_positions(ranking.tolist(), [0, 2, 5], [0, 3]) == [0, 1, 3]
-    ap = map_and_precision(ranking[None], [positives], [junk])["mAP"]
-    # positions 0, 1, 3 of 3 positives: (1 + 1) / 2 + (1 + 1) / 2 + (2 / 3 + 3 / 4) / 2, over 3.
-    assert ap == pytest.approx((1 + 1 + (2 / 3 + 3 / 4) / 2) / 3)
-    assert np.isfinite(ap)
+    # The old inclusive count gave the first positive position -1, hence AP = inf.
+    assert np.isfinite(average_precision(pos, 3))
+    assert average_precision(pos, 3) == pytest.approx((1 + 1 + (2 / 3 + 3 / 4) / 2) / 3)
+
+
+def test_overlapping_positives_and_junk_are_refused():
+    # UKBench-style: the query (database image 0) among its positives, and junk as "the query itself".
+    ranking = np.array([[0, 1, 5, 2, 3, 4, 6, 7]])
+    with pytest.raises(ValueError, match=r"query 0: database images \[0\] are both positive and junk"):
+        map_and_precision(ranking, [np.array([0, 1, 2, 3])], [np.array([0])])
