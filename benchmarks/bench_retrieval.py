@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from ssl_xcit.models import create_model  # noqa: E402
 from ssl_xcit.retrieval.asmk_index import AsmkIndex  # noqa: E402
-from ssl_xcit.retrieval.datasets import load_image, to_tensor  # noqa: E402
+from ssl_xcit.retrieval.datasets import load_resized, to_tensor  # noqa: E402
 from ssl_xcit.retrieval.descriptors import select_local  # noqa: E402
 from ssl_xcit.retrieval.pipeline import rank  # noqa: E402
 from ssl_xcit.retrieval.vlad import train_codebook, vlad_batch  # noqa: E402
@@ -87,7 +87,7 @@ def bench_extraction(data: Path, n_images: int, repeats: int) -> None:
         return im.resize((round(im.width * s), round(im.height * s)), Image.Resampling.BICUBIC)
 
     holiday = paths[0]
-    t_draft, _, _ = timed(lambda: load_image(holiday, 768, 16), repeats=3)
+    t_draft, _, _ = timed(lambda: load_resized(holiday, 768, 16), repeats=3)
     t_full, _, _ = timed(lambda: full_decode(holiday), repeats=3)
     print(
         f"[decode] {holiday.name} (3264x2448 JPEG) to 768 px: draft {1000 * t_draft:.0f} ms, full decode "
@@ -95,7 +95,7 @@ def bench_extraction(data: Path, n_images: int, repeats: int) -> None:
     )
 
     model = create_model("xcit_small_12_p16").eval()
-    xs = [to_tensor(load_image(p, 768, 16))[None] for p in paths]
+    xs = [to_tensor(load_resized(p, 768, 16))[None] for p in paths]
     print(
         f"[extract] XCiT-S12/16 (random weights), {len(xs)} real photos at 768 px, input sizes "
         f"{sorted({tuple(x.shape[-2:]) for x in xs})}, {repeats} repeats, median per image"

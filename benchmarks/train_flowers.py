@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ssl_xcit.data.datamodule import DINODataModule
-from ssl_xcit.data.datasets import collate_skip_none
 from ssl_xcit.dino.callbacks import OnlineKNN
 from ssl_xcit.dino.module import DINO
+from ssl_xcit.evaluation.embed import embed_dataset
 from ssl_xcit.evaluation.knn import weighted_knn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,14 +75,9 @@ def model_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-@torch.no_grad()
 def features(fn, dataset, batch_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collate_skip_none)
-    feats, labels = [], []
-    for images, targets, _ in loader:
-        feats.append(fn(images).float())
-        labels.append(torch.as_tensor(targets))
-    return torch.cat(feats), torch.cat(labels)
+    out = embed_dataset(fn, dataset, batch_size=batch_size)  # the package's one in-process extraction loop
+    return out["features"], out["labels"]
 
 
 def knn_top1(bank, bank_y, query, query_y, k: int) -> float:
@@ -91,7 +86,6 @@ def knn_top1(bank, bank_y, query, query_y, k: int) -> float:
 
 
 def evaluate(backbone: torch.nn.Module, bank_ds, query_ds, k: int) -> float:
-    backbone.eval()
     bank, bank_y = features(backbone, bank_ds)
     query, query_y = features(backbone, query_ds)
     return knn_top1(bank, bank_y, query, query_y, k)

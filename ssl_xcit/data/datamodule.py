@@ -294,21 +294,6 @@ class DINODataModule(L.LightningDataModule):
             )
         return self._knn
 
-    def eval_dataloader(
-        self,
-        dataset: ImageDataset,
-        batch_size: int | None = None,
-        num_workers: int | None = None,
-        persistent_workers: bool = False,
-    ) -> DataLoader:
-        """An ordered, complete loader (no shuffle, no drop_last) for feature extraction, e.g. the k-NN sets.
-
-        Workers are not persistent by default: a loader built anew at each k-NN evaluation would otherwise
-        leave its idle workers alive until garbage collection. Keep one loader and pass True to reuse them.
-        """
-        batch_size = batch_size or self.hparams.batch_size
-        return self._loader(dataset, batch_size, False, num_workers, persistent_workers)
-
     # ------------------------------------------------------------------------------------------ bookkeeping
     @property
     def num_skipped(self) -> int:

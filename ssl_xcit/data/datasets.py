@@ -36,11 +36,21 @@ def is_image_file(path: str | Path) -> bool:
     return str(path).lower().endswith(IMG_EXTENSIONS)
 
 
-def load_image(path: str | Path) -> Image.Image:
-    """Decode ``path`` fully into an RGB PIL image, applying the EXIF orientation."""
+def load_image(
+    path: str | Path, exif_transpose: bool = True, draft: tuple[int, int] | None = None
+) -> Image.Image:
+    """Decode ``path`` fully into an RGB PIL image, applying the EXIF orientation (unless told not to).
+
+    ``draft=(width, height)`` lets a JPEG decode at the smallest DCT scale (1/2, 1/4, 1/8) whose size still
+    covers it: a 3264x2448 photo wanted at 768 px decodes about 8x faster. The one image decoder of the package.
+    """
     with Image.open(path) as image:
-        image = ImageOps.exif_transpose(image)
-        return image.convert("RGB")  # convert() forces the full decode, so truncation raises here
+        if draft is not None and image.format == "JPEG":
+            image.draft("RGB", draft)
+        image.load()  # the full decode, so a truncated file raises here
+        if exif_transpose:
+            image = ImageOps.exif_transpose(image)
+        return image.convert("RGB")
 
 
 class ImageDataset(Dataset):
@@ -127,12 +137,6 @@ class ImageDataset(Dataset):
         if self.transform is not None:
             image = self.transform(image)
         return image, label, index
-
-    def fingerprint(self) -> str:
-        """SHA-256 of the class list and the ``(path, label)`` list: cache metadata for extracted features."""
-        from ssl_xcit.utils.io import sha256_json
-
-        return sha256_json({"classes": self.classes, "samples": [[p.as_posix(), y] for p, y in self.samples]})
 
     def subset(self, indices: Sequence[int], transform: Callable | None | str = "same") -> ImageDataset:
         """A new dataset on ``samples[indices]`` with the same classes (and transform unless given)."""

@@ -19,6 +19,9 @@ def stratified_split(samples: Sequence[S], val_fraction: float, seed: int = 0) -
     is shuffled by its own ``numpy.random.default_rng([seed, label])`` (PCG64, a fixed algorithm), so adding a
     class never changes another class's split. Each class of at least 2 samples keeps one sample on each side;
     a class of one sample stays in train. Both outputs are sorted by path.
+
+    Not ``sklearn.model_selection.train_test_split(stratify=...)``: it draws one permutation over all classes
+    (adding a class reshuffles every other class) and refuses a class of one sample.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
+from ssl_xcit.evaluation.embed import embed_dataset
 from ssl_xcit.evaluation.knn import weighted_knn
 
 
@@ -92,27 +93,12 @@ class OnlineKNN(Callback):
             rank_zero_warn(f"Online k-NN disabled: {self._disabled_reason}. Training continues without it.")
         return self._datasets
 
-    def _loader(self, dataset: Dataset) -> DataLoader:
-        from ssl_xcit.data.datasets import collate_skip_none
-
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=False,
-            num_workers=self.num_workers,
-            collate_fn=collate_skip_none,
-        )
-
-    @torch.no_grad()
     def _features(self, backbone: torch.nn.Module, dataset: Dataset, device: torch.device):
-        feats, labels = [], []
-        for batch in self._loader(dataset):
-            if batch is None:  # every image of the batch was unreadable
-                continue
-            images, targets = batch[0], batch[1]
-            feats.append(backbone(images.to(device)).float().cpu())
-            labels.append(torch.as_tensor(targets).long())
-        return torch.cat(feats), torch.cat(labels)
+        # The package's one in-process extraction: eval mode inside, every submodule's mode restored after.
+        out = embed_dataset(
+            backbone, dataset, batch_size=self.batch_size, num_workers=self.num_workers, device=device
+        )
+        return out["features"], out["labels"]
 
     # --------------------------------------------------------------------------------------- evaluation
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> float | None:
@@ -125,13 +111,8 @@ class OnlineKNN(Callback):
             step = len(train) / self.max_train_samples
             train = torch.utils.data.Subset(train, [int(i * step) for i in range(self.max_train_samples)])
         backbone = pl_module.teacher.backbone
-        was_training = backbone.training
-        backbone.eval()
-        try:
-            train_f, train_y = self._features(backbone, train, pl_module.device)
-            val_f, val_y = self._features(backbone, val, pl_module.device)
-        finally:
-            backbone.train(was_training)
+        train_f, train_y = self._features(backbone, train, pl_module.device)
+        val_f, val_y = self._features(backbone, val, pl_module.device)
         scores = weighted_knn(train_f, train_y, val_f, ks=(self.k,), temperature=self.temperature)[self.k]
         top1 = 100.0 * float((scores.argmax(dim=1) == val_y).float().mean())
         # Under `validate` the trainer's counters are 0; the module knows the checkpoint's epoch and step.

@@ -1,9 +1,11 @@
 """Atomic, owner-only checkpoint writes and the checkpoint callbacks of the recipes.
 
-Lightning's default ``TorchCheckpointIO`` streams straight into the target file, so a run killed while writing
-``last.ckpt`` leaves a truncated file and nothing to resume from. :class:`AtomicCheckpointIO` writes to a
-temporary file in the same folder and renames it over the target (``ssl_xcit.utils.io.atomic_torch_save``):
-a kill mid-write leaves the previous checkpoint intact. Checkpoints are written 0600 (``private``). ``DINO.setup`` installs it when the Trainer uses the
+Lightning's default ``TorchCheckpointIO`` (2.6, ``lightning.fabric.utilities.cloud_io._atomic_save``) is already
+atomic: it serialises the whole checkpoint into an in-memory buffer, then writes it in an fsspec transaction (a
+temporary file moved into place on a local disk). :class:`AtomicCheckpointIO` writes to a temporary file in the
+same folder and renames it over the target (``ssl_xcit.utils.io.atomic_torch_save``) without the in-memory copy
+of the checkpoint: a kill mid-write leaves the previous checkpoint intact either way. Checkpoints are written
+0600 (``private``). ``DINO.setup`` installs it when the Trainer uses the
 default checkpoint IO, so it is on for the CLI, the Python API and tests alike.
 """
 

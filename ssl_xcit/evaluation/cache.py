@@ -2,7 +2,8 @@
 
 A cache entry is one file ``<cache_dir>/<name>-<sha256(meta)[:16]>.pt`` holding ``{"meta": meta, "tensors": ...}``.
 ``meta`` is a JSON-able description of the inputs (checkpoint sha256, model name, transform, dataset file list
-fingerprint, feature type). Because the file name hashes ``meta`` AND the stored ``meta`` is compared in full on
+fingerprint, feature type, numeric precision, and :func:`code_fingerprint`: the source of the model code and the
+torch/timm versions). Because the file name hashes ``meta`` AND the stored ``meta`` is compared in full on
 load, a change in any input looks up a different file: a stale entry can never be served. Entries are written
 atomically (temporary file + rename), so a killed run leaves no half-written cache.
 
@@ -12,6 +13,8 @@ delete the folder to reclaim space.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
@@ -20,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import timm
 import torch
 
 from ssl_xcit.utils.io import atomic_torch_save, sha256_file, sha256_json
@@ -32,6 +36,8 @@ __all__ = [
     "save_cached",
     "files_fingerprint",
     "checkpoint_fingerprint",
+    "code_fingerprint",
+    "precision_key",
 ]
 
 # Bumped when the layout of cache files or the meaning of a field changes, so old files are not reused.
@@ -123,3 +129,45 @@ def checkpoint_fingerprint(weights: str | os.PathLike | None) -> str | None:
     if key not in _CKPT_HASHES:
         _CKPT_HASHES[key] = sha256_file(path)
     return _CKPT_HASHES[key]
+
+
+# Modules whose code determines a backbone's forward pass; any edit to them invalidates cached features.
+_MODEL_CODE_PACKAGES = ("ssl_xcit.models",)
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """sha256 of the model code (every ``ssl_xcit.models`` source file) plus the torch and timm versions.
+
+    Computed from the files, not from a hand-bumped number, so an upgrade that changes the forward pass can
+    never be served features from the old one (a few small files: microseconds, once per process).
+    """
+    import importlib
+
+    digest = hashlib.sha256()
+    for name in _MODEL_CODE_PACKAGES:
+        package = importlib.import_module(name)
+        for path in sorted(Path(next(iter(package.__path__))).rglob("*.py")):
+            digest.update(path.relative_to(Path(package.__file__).parent).as_posix().encode())
+            digest.update(path.read_bytes())
+    digest.update(f"torch={torch.__version__} timm={timm.__version__}".encode())
+    return digest.hexdigest()
+
+
+# Lightning's short precision spellings and their canonical names; None is the Trainer default.
+_PRECISION_ALIASES = {
+    "None": "32-true",
+    "32": "32-true",
+    "16": "16-mixed",
+    "bf16": "bf16-mixed",
+    "64": "64-true",
+}
+
+
+def precision_key(precision: str | int | None) -> str:
+    """The numeric setting of an extraction: Lightning precision (canonical name) and the fp32 matmul mode.
+
+    ``torch.get_float32_matmul_precision`` matters because "high"/"medium" let fp32 matmuls run in TF32/bf16.
+    """
+    name = _PRECISION_ALIASES.get(str(precision), str(precision))
+    return f"{name}/matmul-{torch.get_float32_matmul_precision()}"

@@ -7,7 +7,8 @@ index. Corrupt images come back as ``None`` from the dataset and are dropped by 
 are simply absent from ``indices``: features and labels stay aligned. On CPU it is one process.
 
 ``dataset_features(...)`` adds the cache: the key is the checkpoint's sha256, the model name, the transform's
-full ``repr``, the feature type and a fingerprint of the file list (paths, sizes, mtimes, labels). The backbone
+full ``repr``, the feature type, a fingerprint of the file list (paths, sizes, mtimes, labels), the precision,
+the extraction version and a fingerprint of the model code. The backbone
 is built only on a cache miss, so a re-run with the same inputs does not touch the model or the images.
 """
 
@@ -29,6 +30,10 @@ from ssl_xcit.data.transforms import describe_transform
 from ssl_xcit.evaluation import cache as feature_cache
 
 log = logging.getLogger(__name__)
+
+# Bumped when extraction outside the model code changes meaning (batching, feature assembly, collate), so
+# cached features of an older version are not reused; model-code changes are caught by code_fingerprint().
+EXTRACTION_VERSION = "knn-v1: compute_features cast to float32, corrupt images dropped, dataset order kept"
 
 __all__ = [
     "FeatureConfig",
@@ -92,7 +97,6 @@ class FeatureExtractor(pl.LightningModule):
         self.config = config
         self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.result: dict[str, torch.Tensor] | None = None
-        self.num_forward_calls = 0  # read by tests: a cache hit must not call the backbone
 
     def on_predict_epoch_start(self) -> None:
         self.backbone.eval()
@@ -103,7 +107,6 @@ class FeatureExtractor(pl.LightningModule):
             empty = torch.zeros(0, dtype=torch.long, device=self.device)
             return torch.zeros(0, self._local_dim(), device=self.device), empty, empty
         images, labels, indices = batch[0], batch[1], batch[2]
-        self.num_forward_calls += 1
         feats = compute_features(self.backbone, images, self.config).float()
         out = (feats, torch.as_tensor(labels).long(), torch.as_tensor(indices).long())
         self._parts.append(out)
@@ -285,6 +288,7 @@ def feature_meta(
     arch: str | None,
     config: FeatureConfig,
     seed: int = 0,
+    precision: str | int | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The cache key: everything the features depend on."""
@@ -300,6 +304,9 @@ def feature_meta(
         "files": feature_cache.files_fingerprint([p for p, _ in samples], [int(y) for _, y in samples]),
         "num_files": len(samples),
         "feature": config.name,
+        "precision": feature_cache.precision_key(precision),
+        "extraction": EXTRACTION_VERSION,
+        "code": feature_cache.code_fingerprint(),
     }
     meta.update(extra or {})
     return meta
@@ -330,7 +337,7 @@ def dataset_features(
     here, so callers evaluating train and val share one. A missing weights file raises ``FileNotFoundError`` naming it before anything else runs.
     """
     check_not_empty(dataset, split, getattr(dataset, "root", None))
-    meta = feature_meta(dataset, weights=weights, arch=arch, config=config, seed=seed)
+    meta = feature_meta(dataset, weights=weights, arch=arch, config=config, seed=seed, precision=precision)
     cache_dir = Path(cache_dir) if cache_dir is not None else feature_cache.default_cache_dir()
     if use_cache:
         cached = feature_cache.load_cached(cache_dir, split, meta)

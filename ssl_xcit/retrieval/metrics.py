@@ -30,11 +30,16 @@ def _as_rank_matrix(ranks: np.ndarray, n_queries: int) -> np.ndarray:
 
 
 def positive_positions(ranking: np.ndarray, positives: np.ndarray, junk: np.ndarray) -> np.ndarray:
-    """0-based positions of ``positives`` in ``ranking`` once every ``junk`` image is removed from it."""
+    """0-based positions of ``positives`` in ``ranking`` once every ``junk`` image before them is removed.
+
+    An image listed in both ``positives`` and ``junk`` counts as a positive, as in revisitop.
+    """
     is_pos = np.isin(ranking, positives)
     is_junk = np.isin(ranking, junk)
-    # Removing junk shifts each positive up by the number of junk images ranked before it.
-    junk_before = np.cumsum(is_junk)
+    # Removing junk shifts each positive up by the number of junk images ranked strictly before it. The
+    # exclusive count matches revisitop's compute_ap: an image that is both positive and junk stays a positive
+    # (an inclusive count would give it position -1 when ranked first, and AP = inf).
+    junk_before = np.cumsum(is_junk) - is_junk
     where = np.flatnonzero(is_pos)
     return where - junk_before[where]
 
@@ -73,7 +78,10 @@ def map_and_precision(
     junk: Sequence[Sequence[int]] | None = None,
     kappas: Sequence[int] = KAPPAS,
 ) -> dict[str, object]:
-    """mAP and mP@k over the queries that have at least one positive (the others are skipped, AP = NaN)."""
+    """mAP and mP@k over the queries that have at least one positive (the others are skipped, AP = NaN).
+
+    A query's positives and junk must be disjoint (a ValueError names the overlap).
+    """
     n_q = len(positives)
     ranks = _as_rank_matrix(ranks, n_q)
     junk = junk if junk is not None else [[] for _ in range(n_q)]
@@ -83,6 +91,13 @@ def map_and_precision(
         ok = np.asarray(positives[i], dtype=np.int64)
         if ok.size == 0:
             continue
+        bad = np.intersect1d(ok, np.asarray(junk[i], dtype=np.int64))
+        if bad.size:
+            # revisitop's position rule would count such an image twice (AP can exceed 1): refuse it.
+            raise ValueError(
+                f"query {i}: database images {bad[:10].tolist()} are both positive and junk; "
+                "each image must be one or the other"
+            )
         pos = positive_positions(ranks[i], ok, np.asarray(junk[i], dtype=np.int64))
         aps[i] = average_precision(pos, ok.size)
         prs[i] = precision_at(pos, kappas) if pos.size else 0.0

@@ -1,8 +1,12 @@
 """PCA and PCA-whitening learnt on an independent image set, followed by L2 normalisation.
 
-Written in torch rather than with ``faiss.PCAMatrix`` so that whitening can be shrunk (eigenvalues raised to
-``-whiten_power`` with a floor), which faiss does not offer: a full ``-0.5`` power blows up the near-zero
-eigenvalues that a few hundred training images leave, and shrinkage is what HOW and DINO's copy detection use.
+``faiss.PCAMatrix`` computes the same map: its ``eigen_power`` (= ``-whiten_power``) and ``epsilon`` shrink the
+whitening exactly as here (``tests/retrieval/test_vlad.py`` checks that the two agree). This torch version is
+kept because it accumulates the covariance in float64 chunks straight from the float16 descriptor cache:
+faiss needs the whole training set as one contiguous float32 array (1M x 384 descriptors: a 1.5 GB copy), and
+here the floor is relative to the largest eigenvalue, so it does not depend on the descriptors' scale. A full
+``-0.5`` power blows up the near-zero eigenvalues that a few hundred training images leave; shrinkage is what
+HOW and DINO's copy detection use.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -94,10 +94,3 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
 def sha256_json(obj: Any) -> str:
     """Stable hash of a JSON-serialisable description (sorted keys)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def call_atomically(writer: Callable[[IO[bytes]], None], path: str | os.PathLike) -> Path:
-    """Run ``writer(handle)`` on a temporary file and move it onto ``path`` only if it succeeds."""
-    with atomic_write(path, "wb") as handle:
-        writer(handle)
-    return Path(path)

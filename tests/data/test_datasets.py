@@ -197,11 +197,6 @@ def test_image_dataset_checks_labels_and_subsets(tmp_path):
     sub = ds.subset([1])
     assert len(sub) == 1 and sub.classes == ["only"] and sub[0][0].shape == (3, 8, 8)
     assert isinstance(ds.subset([0], transform=None)[0][0], Image.Image)
-    b = write_image(tmp_path / "b.png")
-    fp = ImageDataset([(a, 0), (b, 1)], ["x", "y"]).fingerprint()
-    assert fp == ImageDataset([(a, 0), (b, 1)], ["x", "y"], transform=eval_transform(8, 8)).fingerprint()
-    assert fp != ImageDataset([(a, 1), (b, 0)], ["x", "y"]).fingerprint()
-    assert fp != ImageDataset([(a, 0)], ["x", "y"]).fingerprint()
 
 
 def test_flowers5(shared_data):

@@ -12,6 +12,7 @@ from ssl_xcit.evaluation.cache import (
     checkpoint_fingerprint,
     files_fingerprint,
     load_cached,
+    precision_key,
     save_cached,
 )
 
@@ -83,6 +84,40 @@ def test_checkpoint_fingerprint(tmp_path):
     assert checkpoint_fingerprint(f) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     with pytest.raises(FileNotFoundError, match="weights file not found: .*missing.pth"):
         checkpoint_fingerprint(tmp_path / "missing.pth")
+
+
+def test_precision_key_canonical_names_and_matmul_mode():
+    assert precision_key(None) == precision_key("32") == precision_key(32) == precision_key("32-true")
+    assert precision_key("bf16") == precision_key("bf16-mixed") != precision_key(None)
+    assert precision_key("16-mixed") not in (precision_key(None), precision_key("bf16-mixed"))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        strict = precision_key(None)
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls: other numbers, other key
+        assert precision_key(None) != strict
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_code_fingerprint_changes_with_model_source(tmp_path, monkeypatch):
+    from ssl_xcit.evaluation import cache
+
+    package = tmp_path / "fakemodels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "net.py").write_text("SCALE = 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cache, "_MODEL_CODE_PACKAGES", ("fakemodels",))
+    cache.code_fingerprint.cache_clear()
+    try:
+        before = cache.code_fingerprint()
+        assert cache.code_fingerprint() == before
+        (package / "net.py").write_text("SCALE = 2.0\n")
+        cache.code_fingerprint.cache_clear()
+        assert cache.code_fingerprint() != before
+    finally:
+        cache.code_fingerprint.cache_clear()
 
 
 def test_feature_cache_entries_are_owner_only(tmp_path):

@@ -143,3 +143,37 @@ def test_feature_variants_shapes_and_values():
     assert FeatureConfig(3, True).name == "cls3+avgpool"
     with pytest.raises(ValueError, match="n_last_blocks must be >= 1, got 0"):
         FeatureConfig(0)
+
+
+@pytest.mark.filterwarnings("ignore:.*unreadable")
+def test_cache_keyed_on_precision_and_model_code(tiny_folder, tmp_path, monkeypatch):
+    """bf16 features must not be served to an fp32 run, nor features of older model code after an upgrade."""
+    from ssl_xcit.evaluation import cache as feature_cache
+
+    ds = _dataset(tiny_folder)
+
+    def run(precision=None):
+        factory = Counter()
+        out, hit = dataset_features(
+            ds,
+            "train",
+            weights=None,
+            arch=ARCH,
+            cache_dir=tmp_path / "c",
+            model=factory,
+            **{**EXTRACT, "precision": precision},
+        )
+        return out, hit, factory.calls
+
+    low, hit, calls = run("bf16-mixed")
+    assert (hit, calls) == (False, 1)
+    full, hit, calls = run(None)
+    assert (hit, calls) == (False, 1)  # the bf16 entry is not served to the fp32 run
+    assert not torch.equal(low["features"], full["features"])
+    _, hit, calls = run("32-true")
+    assert (hit, calls) == (True, 0)  # "32-true" is the default's canonical name: a hit
+
+    # New model code (simulated: another source fingerprint) -> miss.
+    monkeypatch.setattr(feature_cache, "code_fingerprint", lambda: "0" * 64)
+    _, hit, calls = run(None)
+    assert (hit, calls) == (False, 1)

@@ -58,6 +58,25 @@ def test_backbone_frozen_in_eval_mode_and_unchanged_by_training():
         assert torch.equal(v, before[k]), k
 
 
+def test_backbone_in_eval_mode_during_fit_even_if_left_in_train_mode():
+    """Lightning 2.6 calls no train()/eval() during fit: the probe itself must put the backbone in eval mode."""
+
+    class Recorder(pl.Callback):
+        modes: list[bool] = []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.modes.append(any(m.training for m in module.backbone.modules()))
+
+    probe = LinearProbe(arch=ARCH, num_classes=3, lrs=[0.1], per_device_batch_size=4)
+    probe.backbone.train()  # e.g. a caller's backbone.train(), or a module shared with a training run
+    images, labels = torch.randn(8, 3, 32, 32), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    recorder = Recorder()
+    loader = DataLoader(TensorDataset(images, labels), batch_size=4)
+    probe.write_on_fit_end = False
+    pl.Trainer(max_epochs=2, callbacks=[recorder], **TRAINER).fit(probe, loader, loader)
+    assert recorder.modes == [False] * 4
+
+
 def test_lr_scaling_and_cosine_to_zero():
     x, y = blobs(8)
     probe = LinearProbe(num_classes=5, feature_dim=16, lrs=[0.01, 0.1], per_device_batch_size=16)

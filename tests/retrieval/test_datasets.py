@@ -16,8 +16,8 @@ from ssl_xcit.retrieval.datasets import (
     list_images,
     load_dataset,
     load_holidays,
-    load_image,
     load_json_benchmark,
+    load_resized,
     load_revisited_gnd,
     load_rotations,
     load_ukbench,
@@ -34,15 +34,15 @@ def test_target_size_rounds_each_side_to_nearest_patch_multiple():
 
 def test_load_image_resizes_longer_side(tmp_path):
     Image.new("RGB", (1000, 700), "red").save(tmp_path / "a.png")
-    assert load_image(tmp_path / "a.png", 768, 16).size == (768, 544)
-    assert load_image(tmp_path / "a.png", 224, 16).size == (224, 160)  # 156.8 -> 9.8 -> 10 patches
+    assert load_resized(tmp_path / "a.png", 768, 16).size == (768, 544)
+    assert load_resized(tmp_path / "a.png", 224, 16).size == (224, 160)  # 156.8 -> 9.8 -> 10 patches
 
 
 def test_query_crop_keeps_scale_of_full_image_and_content(tmp_path):
     im = Image.new("RGB", (1000, 800), "black")
     im.paste((0, 255, 0), (100, 100, 600, 400))
     im.save(tmp_path / "q.png")
-    out = load_image(tmp_path / "q.png", 500, 16, bbx=(100.0, 100.0, 600.0, 400.0))
+    out = load_resized(tmp_path / "q.png", 500, 16, bbx=(100.0, 100.0, 600.0, 400.0))
     # Full image -> longer side 500 is a 0.5 scale; the 500x300 crop becomes 250x150 -> 256x144.
     assert out.size == (256, 144)
     pixels = np.asarray(out).reshape(-1, 3)
@@ -53,8 +53,8 @@ def test_exif_orientation_is_honoured(tmp_path):
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90 degrees clockwise to display
     Image.new("RGB", (400, 200), "blue").save(tmp_path / "e.jpg", exif=exif)
-    assert load_image(tmp_path / "e.jpg", 128, 16).size == (64, 128)
-    assert load_image(tmp_path / "e.jpg", 128, 16, exif_transpose=False).size == (128, 64)
+    assert load_resized(tmp_path / "e.jpg", 128, 16).size == (64, 128)
+    assert load_resized(tmp_path / "e.jpg", 128, 16, exif_transpose=False).size == (128, 64)
 
 
 def test_holidays_mini_groups_draft_decode_and_rotation(shared_data, tmp_path):
@@ -64,8 +64,8 @@ def test_holidays_mini_groups_draft_decode_and_rotation(shared_data, tmp_path):
     assert [p.name for p in ds.queries] == ["100000.jpg"]
     assert ds.query_db_index == [0] and ds.gnd[0]["ok"].tolist() == [1, 2]
     # 3264x2448 photos, decoded through JPEG draft: 100000 is stored 2448x3264 (portrait).
-    assert load_image(ds.database[0], 768, 16).size == (576, 768)
-    assert load_image(ds.database[2], 768, 16).size == (768, 576)
+    assert load_resized(ds.database[0], 768, 16).size == (576, 768)
+    assert load_resized(ds.database[2], 768, 16).size == (768, 576)
     rot = tmp_path / "rotations.txt"
     rot.write_text("# upright corrections\n100000 90\n")
     rotated = load_holidays(root, rotations=rot)
@@ -192,6 +192,32 @@ def test_malformed_json_benchmark(tmp_path, change, match):
         load_json_benchmark(tmp_path / "b.json")
 
 
+def test_ukbench_style_json_with_query_among_its_positives_is_rejected(shared_data, tmp_path):
+    # UKBench groups written naively: every image is a query and a database image, and its group (itself
+    # included) is its positives. Before the check the pipeline made the query junk too, and AP was inf.
+    uk = shared_data / "retrieval_mini" / "ukbench"
+    names = [f"ukbench0000{i}.jpg" for i in range(8)]
+    groups = [[0, 1, 2, 3]] * 4 + [[4, 5, 6, 7]] * 4
+    spec = {"root": str(uk), "database": names, "queries": names, "positives": groups}
+    (tmp_path / "uk.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"positives\[0\] lists query 0 itself \(database index 0\)"):
+        load_json_benchmark(tmp_path / "uk.json")
+    spec["positives"] = [[j for j in g if j != i] for i, g in enumerate(groups)]
+    (tmp_path / "uk.json").write_text(json.dumps(spec))
+    ds = load_json_benchmark(tmp_path / "uk.json")
+    assert ds.gnd[5]["ok"].tolist() == [4, 6, 7] and ds.query_db_index == list(range(8))
+
+
+def test_json_positive_that_is_also_junk_is_rejected(tmp_path):
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.jpg")
+    Image.new("RGB", (32, 32)).save(tmp_path / "b.jpg")
+    spec = {"database": ["a.jpg", "b.jpg"], "queries": ["q.jpg"], "positives": [[0, 1]], "junk": [[1]]}
+    Image.new("RGB", (32, 32)).save(tmp_path / "q.jpg")
+    (tmp_path / "b.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"positives\[0\] and junk\[0\] share database indices \[1\]"):
+        load_json_benchmark(tmp_path / "b.json")
+
+
 def test_missing_image_is_listed(tmp_path):
     Image.new("RGB", (32, 32)).save(tmp_path / "a.jpg")
     spec = {"database": ["a.jpg", "gone.jpg"], "queries": ["a.jpg"], "positives": [[1]]}
@@ -210,7 +236,7 @@ def test_check_files_exist_lists_first_ten_and_count(tmp_path):
 def test_corrupt_image_names_the_file(tmp_path):
     (tmp_path / "bad.jpg").write_bytes(b"not a jpeg")
     with pytest.raises(ValueError, match="cannot read image .*bad.jpg"):
-        load_image(tmp_path / "bad.jpg", 128, 16)
+        load_resized(tmp_path / "bad.jpg", 128, 16)
 
 
 def test_unknown_dataset_and_training_set_errors(tmp_path):

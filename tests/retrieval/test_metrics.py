@@ -15,6 +15,7 @@ from ssl_xcit.retrieval.metrics import (
     average_precision,
     holidays_map,
     map_and_precision,
+    positive_positions,
     revisited_metrics,
     ukbench_ns_score,
 )
@@ -198,3 +199,33 @@ def test_ukbench_ns_score():
         ]
     )
     assert ukbench_ns_score(worst, groups) == pytest.approx(1.0)
+
+
+def revisitop_positions(ranking, positives, junk):
+    """revisitop's compute_ap position loop: each positive moves up by the junk ranked strictly before it."""
+    pos = [i for i, x in enumerate(ranking) if x in set(positives)]
+    junk_at = [i for i, x in enumerate(ranking) if x in set(junk)]
+    k = ij = 0
+    out = []
+    for p in pos:
+        while ij < len(junk_at) and p > junk_at[ij]:
+            k, ij = k + 1, ij + 1
+        out.append(p - k)
+    return out
+
+
+def test_positive_that_is_also_junk_counts_as_positive_like_revisitop():
+    ranking = np.array([0, 1, 2, 3, 4, 5])
+    positives, junk = np.array([0, 2, 5]), np.array([0, 3])
+    pos = positive_positions(ranking, positives, junk)
+    assert pos.tolist() == revisitop_positions(ranking.tolist(), [0, 2, 5], [0, 3]) == [0, 1, 3]
+    # The old inclusive count gave the first positive position -1, hence AP = inf.
+    assert np.isfinite(average_precision(pos, 3))
+    assert average_precision(pos, 3) == pytest.approx((1 + 1 + (2 / 3 + 3 / 4) / 2) / 3)
+
+
+def test_overlapping_positives_and_junk_are_refused():
+    # UKBench-style: the query (database image 0) among its positives, and junk as "the query itself".
+    ranking = np.array([[0, 1, 5, 2, 3, 4, 6, 7]])
+    with pytest.raises(ValueError, match=r"query 0: database images \[0\] are both positive and junk"):
+        map_and_precision(ranking, [np.array([0, 1, 2, 3])], [np.array([0])])

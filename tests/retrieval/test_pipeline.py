@@ -136,6 +136,20 @@ def test_feature_cache_is_reused_and_keyed_on_settings(setup):
     assert load_cached(setup["cache"], "retrieval-cls-database", {"other": "meta"}) is None
 
 
+def test_live_model_gets_its_modes_back(setup):
+    """A module in training (e.g. DINO's teacher mid-fit) is evaluated in eval mode and handed back unchanged."""
+    torch.manual_seed(0)
+    model = create_model(ARCH).train()
+    model.cls_attn_blocks.eval()  # a mixed state must come back exactly
+    before = {name: m.training for name, m in model.named_modules()}
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    cfg = RetrievalConfig("ukbench", str(setup["mini"] / "ukbench"), arch=ARCH, resolution=64, no_cache=True)
+    run_retrieval(cfg, model=model)
+    assert seen and not any(seen)
+    assert {name: m.training for name, m in model.named_modules()} == before
+
+
 def test_ukbench_ns_score_and_self_retrieval(setup):
     result, _ = run_cli(setup, "cls", "ukbench", setup["mini"] / "ukbench")
     # Every image is its own nearest neighbour, so N-S >= 1 (the query counts in UKBench's top 4).

@@ -98,3 +98,23 @@ def test_pca_errors_name_the_numbers():
         PCA.fit(torch.randn(5, 16), 8)
     with pytest.raises(ValueError, match="32 dimensions is impossible for 16-dimensional"):
         PCA.fit(torch.randn(100, 16), 32)
+
+
+@pytest.mark.parametrize("whiten_power", [0.0, 0.25, 0.5])
+def test_pca_agrees_with_faiss_pca_matrix(whiten_power):
+    """faiss.PCAMatrix(eigen_power=-p, epsilon) is the same map; outputs agree up to per-axis sign."""
+    import faiss
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, 24, generator=g) * torch.logspace(0, -3, 24) + 0.5  # decaying spectrum, offset mean
+    ours = PCA.fit(x, 8, whiten_power=whiten_power)
+    reference = faiss.PCAMatrix(24, 8, -whiten_power)
+    reference.train(x.numpy())
+    # Our floor is relative to the largest eigenvalue; give faiss the same absolute value, then rebuild its map.
+    top = faiss.vector_to_array(reference.eigenvalues).max()
+    reference.epsilon = float(ours.eps * top)
+    reference.prepare_Ab()
+    y = ours(x[:200])
+    z = torch.nn.functional.normalize(torch.from_numpy(reference.apply(x[:200].numpy())), dim=-1)
+    # Eigenvector signs are arbitrary, so compare what they cannot change: the cosine similarities.
+    torch.testing.assert_close(y @ y.T, z @ z.T, atol=2e-4, rtol=0)

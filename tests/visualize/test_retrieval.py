@@ -76,7 +76,7 @@ def test_revisited_titles_show_every_setup(shared_data):
 
 def test_command_reuses_the_retrieval_descriptor_cache(shared_data, tmp_path, monkeypatch):
     from ssl_xcit.cli import main
-    from ssl_xcit.retrieval import pipeline
+    from ssl_xcit.retrieval import stages  # where run_retrieval calls extract_global
 
     argv = [
         "visualize",
@@ -103,6 +103,6 @@ def test_command_reuses_the_retrieval_descriptor_cache(shared_data, tmp_path, mo
     def no_extraction(*args, **kwargs):
         raise AssertionError("descriptors were extracted again instead of read from the cache")
 
-    monkeypatch.setattr(pipeline, "extract_global", no_extraction)
+    monkeypatch.setattr(stages, "extract_global", no_extraction)
     png.unlink()
     assert main(argv).is_file()

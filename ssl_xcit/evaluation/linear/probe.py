@@ -1,27 +1,9 @@
-"""Linear probe on a frozen backbone, following DINO's ``eval_linear.py``, as a LightningModule.
-
-- The backbone is frozen: no gradients, and always in eval mode (``train()`` is overridden, because Lightning
-  calls ``model.train()`` at the start of every training epoch and would otherwise switch the backbone's
-  dropout/drop-path/BatchNorm back on).
-- The head is ``Linear(dim, num_classes)`` with weight ~ N(0, 0.01) and bias 0, on the CLS embedding; the
-  feature can instead concatenate the CLS of the last n blocks and the average-pooled patch tokens.
-- SGD, momentum 0.9, weight decay 0, lr = base_lr x total_batch / 256, cosine decay to 0 (per step here; DINO
-  steps per epoch, which is the same curve sampled coarser).
-- Train transform RandomResizedCrop + horizontal flip; validation uses the eval transform (resize, centre crop).
-- ``lrs`` may list several base learning rates: one head per lr is trained on the same feature batches
-  (DINOv2's sweep), which costs one backbone forward per batch in total, and the best head is reported.
-
-``fast`` mode (``run_linear(..., fast=True)``) trains the heads on cached eval-transform features instead of
-images: no augmentation, so usually slightly lower accuracy, but each epoch is a matmul and the features are
-shared with the k-NN cache.
-"""
+"""The linear-probe LightningModule: frozen backbone, one linear head per learning rate, cosine SGD."""
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +11,11 @@ import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_xcit.evaluation import features as features_module
-from ssl_xcit.evaluation.features import (
-    FeatureConfig,
-    check_not_empty,
-    check_same_classes,
-    compute_features,
-)
+from ssl_xcit.evaluation.features import FeatureConfig, compute_features
 from ssl_xcit.evaluation.report import format_linear_table
-
-log = logging.getLogger(__name__)
 
 # DINO's eval_linear.py default base lr (for a total batch of 256).
 DEFAULT_BASE_LR = 0.001
@@ -63,29 +37,6 @@ DEFAULT_SWEEP_LRS: tuple[float, ...] = (
 )
 
 
-def linear_train_transform(crop_size: int = 224):
-    """DINO's linear-probe train augmentation: RandomResizedCrop (bilinear, scale 0.08-1) + flip + normalise."""
-    from torchvision.transforms import v2
-
-    from ssl_xcit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-
-    return v2.Compose(
-        [
-            v2.ToImage(),
-            v2.RandomResizedCrop(crop_size, antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean=list(IMAGENET_MEAN), std=list(IMAGENET_STD)),
-        ]
-    )
-
-
-def _eval_transform(resize_size: int, crop_size: int):
-    from ssl_xcit.data.transforms import eval_transform
-
-    return eval_transform(resize=resize_size, crop=crop_size)
-
-
 def _linear_head(dim: int, num_classes: int) -> nn.Linear:
     """DINO's LinearClassifier init: weight ~ N(0, 0.01), bias 0 (each head drawn in turn, so head i does not
     depend on how many heads follow it)."""
@@ -93,77 +44,6 @@ def _linear_head(dim: int, num_classes: int) -> nn.Linear:
     nn.init.normal_(head.weight, mean=0.0, std=0.01)
     nn.init.zeros_(head.bias)
     return head
-
-
-class LinearProbeDataModule(pl.LightningDataModule):
-    """ImageFolder train/val trees (ImageNet's ``train/`` and ``val/`` class-folder layout works as is).
-
-    Args:
-        train: root of the labelled train images (one subfolder per class).
-        val: root of the labelled validation images (the same class subfolders).
-        batch_size: per device; the probe scales its lr by the total batch / 256.
-        num_workers: data-loading processes per device.
-        crop_size: training crop and validation centre crop (224 as in DINO).
-        resize_size: validation resize before the centre crop (256 as in DINO, i.e. crop / 0.875).
-    """
-
-    def __init__(
-        self,
-        train: str,
-        val: str,
-        batch_size: int = 128,
-        num_workers: int = 8,
-        crop_size: int = 224,
-        resize_size: int = 256,
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.train_root, self.val_root = train, val
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.crop_size, self.resize_size = crop_size, resize_size
-        self.train_dataset = self.val_dataset = None
-
-    def _build(self) -> None:
-        if self.train_dataset is not None:
-            return
-        from ssl_xcit.data.datasets import build_dataset
-
-        self.train_dataset = build_dataset(self.train_root, transform=linear_train_transform(self.crop_size))
-        self.val_dataset = build_dataset(
-            self.val_root, transform=_eval_transform(self.resize_size, self.crop_size)
-        )
-        check_not_empty(self.train_dataset, "train", self.train_root)
-        check_not_empty(self.val_dataset, "val", self.val_root)
-        check_same_classes(self.train_dataset.classes, self.val_dataset.classes)
-
-    def setup(self, stage: str | None = None) -> None:
-        self._build()
-
-    @property
-    def num_classes(self) -> int:
-        self._build()
-        return len(self.train_dataset.classes)
-
-    def _loader(self, dataset, shuffle: bool) -> DataLoader:
-        from ssl_xcit.data.datasets import collate_skip_none
-
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            drop_last=False,
-            num_workers=self.num_workers,
-            collate_fn=collate_skip_none,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, shuffle=False)
 
 
 class LinearProbe(pl.LightningModule):
@@ -251,8 +131,14 @@ class LinearProbe(pl.LightningModule):
     def train(self, mode: bool = True) -> LinearProbe:
         super().train(mode)
         if self.backbone is not None:
-            self.backbone.eval()  # frozen: Lightning's model.train() must not enable drop-path or BN updates
+            self.backbone.eval()  # frozen: a user's probe.train() must not enable drop-path or BN updates
         return self
+
+    def on_train_epoch_start(self) -> None:
+        # Lightning never calls train()/eval() on the module during fit, so a backbone left in train mode by
+        # the caller would train with drop path and update BatchNorm statistics; set the mode here.
+        if self.backbone is not None:
+            self.backbone.eval()
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         if self.backbone is None:
@@ -381,160 +267,3 @@ def write_results(results: dict[str, Any], path: str | os.PathLike) -> Path:
     from ssl_xcit.utils.io import atomic_write_json
 
     return atomic_write_json(results, path)
-
-
-def run_linear(
-    train: str,
-    val: str,
-    *,
-    weights: str | None = None,
-    arch: str | None = None,
-    fast: bool = False,
-    lrs: Sequence[float] | None = None,
-    epochs: int = 100,
-    batch_size: int = 128,
-    num_workers: int = 8,
-    n_last_blocks: int = 1,
-    avgpool_patchtokens: bool = False,
-    crop_size: int = 224,
-    resize_size: int = 256,
-    cache_dir: str | None = None,
-    use_cache: bool = True,
-    output: str | None = None,
-    default_root_dir: str | None = None,
-    accelerator: str = "auto",
-    devices: int | str = "auto",
-    precision: str | None = None,
-    seed: int = 0,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Train and validate the probe, write JSON results, return them. ``fast`` trains on cached features."""
-    pl.seed_everything(seed, workers=True, verbose=False)
-    if lrs is None:
-        lrs = DEFAULT_SWEEP_LRS if fast else (DEFAULT_BASE_LR,)
-    trainer_kwargs = dict(
-        max_epochs=epochs,
-        accelerator=accelerator,
-        devices=devices,
-        precision=precision,
-        default_root_dir=default_root_dir,
-        enable_progress_bar=progress,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=not fast,
-        num_sanity_val_steps=0,
-        deterministic=False,
-    )
-    if fast:
-        results = _run_fast(
-            train,
-            val,
-            weights=weights,
-            arch=arch,
-            lrs=lrs,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            n_last_blocks=n_last_blocks,
-            avgpool_patchtokens=avgpool_patchtokens,
-            crop_size=crop_size,
-            resize_size=resize_size,
-            cache_dir=cache_dir,
-            use_cache=use_cache,
-            seed=seed,
-            trainer_kwargs=trainer_kwargs,
-        )
-    else:
-        data = LinearProbeDataModule(train, val, batch_size, num_workers, crop_size, resize_size)
-        model = LinearProbe(
-            weights=weights,
-            arch=arch,
-            n_last_blocks=n_last_blocks,
-            avgpool_patchtokens=avgpool_patchtokens,
-            lrs=list(lrs),
-            seed=seed,
-        )
-        model.write_on_fit_end = False  # run_linear writes the fuller results itself
-        trainer = pl.Trainer(**trainer_kwargs)
-        trainer.fit(model, datamodule=data)
-        results = model.describe()
-        results.update(
-            mode="full",
-            num_train=len(data.train_dataset),
-            num_val=len(data.val_dataset),
-            train_transform=repr(data.train_dataset.transform),
-            val_transform=repr(data.val_dataset.transform),
-        )
-    results.update(train=str(train), val=str(val), seed=seed)
-    if output:
-        write_results(results, output)
-    return results
-
-
-def _run_fast(
-    train,
-    val,
-    *,
-    weights,
-    arch,
-    lrs,
-    batch_size,
-    num_workers,
-    n_last_blocks,
-    avgpool_patchtokens,
-    crop_size,
-    resize_size,
-    cache_dir,
-    use_cache,
-    seed,
-    trainer_kwargs,
-) -> dict[str, Any]:
-    from ssl_xcit.data.datasets import build_dataset
-
-    transform = _eval_transform(resize_size, crop_size)
-    train_ds = build_dataset(train, transform=transform)
-    val_ds = build_dataset(val, transform=transform)
-    check_same_classes(train_ds.classes, val_ds.classes)
-    (tr, tr_hit), (va, va_hit), _ = features_module.split_features(
-        train_ds,
-        val_ds,
-        weights=weights,
-        arch=arch,
-        config=FeatureConfig(n_last_blocks, avgpool_patchtokens),
-        seed=seed,
-        cache_dir=cache_dir,
-        use_cache=use_cache,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        accelerator=trainer_kwargs["accelerator"],
-        devices=trainer_kwargs["devices"],
-        progress=trainer_kwargs["enable_progress_bar"],
-    )
-    model = LinearProbe(
-        num_classes=len(train_ds.classes),
-        feature_dim=tr["features"].shape[1],
-        lrs=list(lrs),
-        per_device_batch_size=batch_size,
-        weights=weights,
-        arch=arch,
-        n_last_blocks=n_last_blocks,
-        avgpool_patchtokens=avgpool_patchtokens,
-    )
-    model.write_on_fit_end = False
-    g = torch.Generator().manual_seed(seed)
-    train_loader = DataLoader(
-        TensorDataset(tr["features"], tr["labels"]), batch_size=batch_size, shuffle=True, generator=g
-    )
-    val_loader = DataLoader(TensorDataset(va["features"], va["labels"]), batch_size=max(batch_size, 1024))
-    # Heads on cached features are tiny: one process is faster than any multi-device launch.
-    kwargs = {**trainer_kwargs, "devices": 1}
-    trainer = pl.Trainer(**kwargs)
-    trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader)
-    results = model.describe()
-    results.update(
-        mode="fast",
-        num_train=int(tr["features"].shape[0]),
-        num_val=int(va["features"].shape[0]),
-        feature_cache_hit={"train": tr_hit, "val": va_hit},
-        transform=repr(transform),
-    )
-    return results

@@ -1,0 +1,36 @@
+"""Every runtime dependency in pyproject.toml is used: imported by the package, or named by a recipe."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # standard library from Python 3.11
+
+ROOT = Path(__file__).resolve().parents[1]
+# Distribution name -> import name where they differ.
+IMPORT_NAME = {"faiss-cpu": "faiss", "pillow": "PIL", "pyyaml": "yaml"}
+# Used without an import of their own: LightningCLI parses with jsonargparse; recipes name TensorBoardLogger
+# (needs tensorboard) and RichProgressBar (needs rich) by class_path.
+INDIRECT = {"jsonargparse": "ssl_xcit/cli", "tensorboard": "TensorBoardLogger", "rich": "RichProgressBar"}
+
+
+def test_every_runtime_dependency_is_used():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = [re.split(r"[<>=\[;! ]", d, maxsplit=1)[0].lower() for d in deps]
+    sources = "\n".join(p.read_text() for p in (ROOT / "ssl_xcit").rglob("*.py"))
+    recipes = "\n".join(p.read_text() for p in (ROOT / "recipes").rglob("*.yaml"))
+    unused = []
+    for name in names:
+        if name in INDIRECT:
+            if name == "jsonargparse":
+                assert "LightningCLI" in sources
+            else:
+                assert INDIRECT[name] in recipes, f"{name} is kept for {INDIRECT[name]}, which no recipe uses"
+            continue
+        module = IMPORT_NAME.get(name, name)
+        if not re.search(rf"^\s*(import|from) {re.escape(module)}\b", sources, flags=re.M):
+            unused.append(name)
+    assert unused == [], f"runtime dependencies that nothing imports: {unused}"
