@@ -47,12 +47,18 @@ class TimmViT(Backbone, VisionTransformer):
     def __init__(self, model_name: str = "vit_small_patch16_224", num_classes: int = 0, **kwargs) -> None:
         nn.Module.__init__(self)
         kwargs.setdefault("dynamic_img_size", True)
-        source = timm.create_model(model_name, pretrained=False, num_classes=num_classes, **kwargs)
+        refusal = (
+            f"{model_name!r} is not a plain timm VisionTransformer (no dynamic image size); the vit family takes "
+            "names like vit_small_patch16_224"
+        )
+        try:
+            source = timm.create_model(model_name, pretrained=False, num_classes=num_classes, **kwargs)
+        except TypeError as error:  # other ViT classes (relpos, ...) do not take dynamic_img_size
+            if "dynamic_img_size" in str(error):
+                raise ValueError(refusal) from error
+            raise
         if type(source) is not VisionTransformer:
-            raise ValueError(
-                f"{model_name!r} is a timm {type(source).__name__}, not a plain VisionTransformer; the vit family "
-                "takes names like vit_small_patch16_224"
-            )
+            raise ValueError(refusal + f" (it is a {type(source).__name__})")
         # Adopt the timm module's state (parameters, submodules, attributes): same names, same behaviour.
         self.__dict__.update(source.__dict__)
         self.name = model_name

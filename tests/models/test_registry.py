@@ -50,7 +50,8 @@ def test_state_dict_names_and_shapes_equal_timm(name):
 
 def test_unknown_name_lists_valid_names():
     with pytest.raises(
-        ValueError, match="(?s)unknown model 'xcit_smal_12_p16'.*xcit: .*xcit_small_12_p16.*xcit_large_24_p8.*cait: "
+        ValueError,
+        match="(?s)unknown model 'xcit_smal_12_p16'.*xcit: .*xcit_small_12_p16.*xcit_large_24_p8.*cait: ",
     ):
         create_model("xcit_smal_12_p16")
 
