@@ -139,7 +139,7 @@ def test_vit_accessors_and_dynamic_size():
 
 def test_any_timm_vit_name_and_non_plain_vit_is_refused():
     assert create_model("vit_tiny_patch16_384", device="meta").name == "vit_tiny_patch16_384"
-    with pytest.raises(ValueError, match="vit_relpos_small_patch16_224.*not a plain VisionTransformer"):
+    with pytest.raises(ValueError, match="vit_relpos_small_patch16_224.*not a plain timm VisionTransformer"):
         create_model("vit_relpos_small_patch16_224", device="meta")
 
 
