@@ -195,7 +195,7 @@ def run_retrieval(config: RetrievalConfig, model: nn.Module | None = None) -> di
         model = build_backbone(config.weights, config.arch)
     model.eval()
     arch = getattr(model, "name", None) or config.arch or type(model).__name__
-    patch = int(model.patch_size)
+    patch = int(model.size_multiple)
     cache = _Cache(
         None if config.no_cache else Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     )

@@ -1,8 +1,8 @@
-"""Class-attention maps of XCiT: where the CLS token looks, per head, at image resolution.
+"""Attention maps of the global query: where the CLS token looks, per head, at image resolution.
 
-XCiT has no token-to-token attention map (its attention is channel x channel), so DINO's ``visualize_attention``
-does not apply (xcit#5, dino#79). The class-attention blocks do attend over patches: the CLS query's softmax
-over the patch tokens is the XCiT counterpart of a ViT's last-layer CLS attention.
+Read through the backbone interface (``get_attention_maps``): for a ViT the last block's CLS attention (DINO's
+``visualize_attention``), for XCiT and CaiT the class-attention blocks. XCiT has no token-to-token attention
+(its attention is channel x channel, xcit#5, dino#79); its class attention is the counterpart.
 """
 
 from __future__ import annotations
@@ -12,29 +12,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ssl_xcit.models import XCiT
+from ssl_xcit.models import Backbone
 
 
 @torch.no_grad()
 def attention_heatmaps(
-    model: XCiT, images: Tensor, layer: int = -1, threshold: float | None = None
+    model: Backbone, images: Tensor, layer: int = -1, threshold: float | None = None
 ) -> Tensor:
     """Per-head CLS attention over patches, upsampled to the image: (B, heads, H, W), each map summing to 1.
 
     Args:
-        model: an XCiT; it is put in eval mode for the call and restored afterwards.
-        images: a normalised (B, 3, H, W) batch whose sides are multiples of the patch size.
-        layer: which class-attention block to read (the last by default, as DINO does for ViT).
+        model: a backbone with ``has_attention_maps``; it is put in eval mode for the call and restored afterwards.
+        images: a normalised (B, 3, H, W) batch whose sides are multiples of ``model.size_multiple``.
+        layer: which of the returned maps to read (the last by default, as DINO does for ViT).
         threshold: if set, keep per head the smallest set of patches holding this fraction of the attention
             mass (DINO's masks) and return that binary mask instead.
     """
     was_training = model.training
     model.eval()
     try:
-        maps, (grid_h, grid_w) = model.get_class_attention(images)
+        maps, (grid_h, grid_w) = model.get_attention_maps(images)
     finally:
         model.train(was_training)
-    attn = maps[layer][:, :, 1:]  # drop the CLS -> CLS entry
+    attn = maps[layer]
     attn = attn / attn.sum(-1, keepdim=True)
     if threshold is not None:
         if not 0.0 < threshold <= 1.0:
@@ -45,8 +45,9 @@ def attention_heatmaps(
     batch, heads, _ = attn.shape
     grid = attn.reshape(batch, heads, grid_h, grid_w)
     # Nearest upsampling keeps each value on its own patch, so every map still sums to 1 over patches.
-    up = F.interpolate(grid, scale_factor=model.patch_size, mode="nearest")
-    return up if threshold is not None else up / model.patch_size**2
+    height, width = images.shape[-2:]
+    up = F.interpolate(grid, size=(height, width), mode="nearest")
+    return up if threshold is not None else up * (grid_h * grid_w) / (height * width)
 
 
 def overlay(image: np.ndarray, heatmap: np.ndarray, alpha: float = 0.6, cmap: str = "inferno") -> np.ndarray:
