@@ -7,6 +7,10 @@ Besides the CLS embedding the model exposes what evaluation needs: the patch tok
 (``forward_patch_tokens``, for VLAD/ASMK), outputs of chosen XCA blocks (``get_intermediate_layers``), CLS
 embeddings computed from earlier blocks (``get_intermediate_cls``, for linear probes), and the class-attention
 maps per head (``get_class_attention``, for visualisation).
+
+Which parts are timm's modules and which are ours (and why: measured speed, or attention weights the interface
+needs) is listed in :mod:`ssl_xcit.models.layers`. The official-checkpoint renames go through timm's
+``checkpoint_filter_fn`` (:func:`convert_state_dict`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.models.base import Backbone
-from ssl_xcit.models.layers import ClassAttentionBlock, ConvPatchEmbed, PositionalEncodingFourier, XCABlock
+from ssl_xcit.models.layers import ClassAttentionBlock, PositionalEncodingFourier, XCABlock, conv_patch_embed
 
 
 class XCiT(Backbone):
@@ -80,7 +84,7 @@ class XCiT(Backbone):
         self.num_heads = num_heads
         self.grad_checkpointing = False
 
-        self.patch_embed = ConvPatchEmbed(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        self.patch_embed = conv_patch_embed(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = PositionalEncodingFourier(dim=embed_dim) if use_pos_embed else None
         self.pos_drop = nn.Dropout(pos_drop_rate)
