@@ -1,4 +1,4 @@
-"""DINO as a LightningModule: student/teacher backbones (any registered family) + DINOHead, the DINO loss, and the reference training step.
+"""DINO as a LightningModule: student/teacher backbones + DINOHead, the DINO loss, and the reference training step.
 
 One training step, top to bottom (``main_dino.py:train_one_epoch``):
 
