@@ -144,6 +144,8 @@ def create_model(name: str, **overrides) -> Backbone:
             f"{', '.join(p for p in params if p not in ('self', 'name'))}"
         )
     config = {**entry.kwargs, **overrides}
+    if "num_classes" in params:  # a backbone by default, whatever the family's own default
+        config.setdefault("num_classes", 0)
     if "name" in params:
         config["name"] = entry.name
     with torch.device(device) if device is not None else contextlib.nullcontext():
