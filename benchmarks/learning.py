@@ -165,6 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "knn_history": knn.history,
         "final_entropy": sum(signals.entropy[-tail:]) / tail,
         "final_kl_to_uniform": sum(signals.kl[-tail:]) / tail,
+        "entropy_curve": signals.entropy[:: max(1, len(signals.entropy) // 20)],
+        "kl_curve": signals.kl[:: max(1, len(signals.kl) // 20)],
         "collapse_events": [cb.events for cb in trainer.callbacks if hasattr(cb, "events")],
         "threads": torch.get_num_threads(),
     }

@@ -1,7 +1,10 @@
-"""``ssl-xcit export CKPT OUT``: the teacher backbone of a DINO checkpoint as a plain state dict.
+"""``ssl-xcit export CKPT OUT``: the teacher backbone of a DINO checkpoint, with the recipe that builds it.
 
-The output has timm's ``xcit_*`` parameter names (no prefix, no DINO head), so it loads with ``strict=True``
-into ``ssl_xcit.models.create_model(name)`` and into ``timm.create_model(name + "_224", num_classes=0)``.
+The file is ``{"state_dict": ..., "hyper_parameters": {"backbone": name, "backbone_kwargs": {...}}}``: the
+state dict has the family's timm parameter names (no prefix, no DINO head), so ``torch.load(out)["state_dict"]``
+loads with ``strict=True`` into ``ssl_xcit.models.create_model(name, **backbone_kwargs)`` and into the matching
+timm model; ``build_backbone(out)`` rebuilds the exact architecture (non-default options such as
+``tokens_norm`` or a truncated ``depth`` included) from the recorded name and arguments.
 The teacher is exported because it is the better network (the DINO authors corrected their first XCiT
 backbone releases from student to teacher weights, dino#79).
 """
@@ -37,8 +40,9 @@ def teacher_backbone_state(checkpoint: dict[str, Any], source: str = "checkpoint
 
 
 def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[Path, str]:
-    """Write the teacher backbone of ``checkpoint_path`` to ``out_path`` (atomically); returns (path, model
-    name). The state dict is loaded strictly into a freshly built model first, so a bad export never lands."""
+    """Write the teacher backbone of ``checkpoint_path`` and its name and ``backbone_kwargs`` to ``out_path``
+    (atomically); returns (path, model name). The state dict is loaded strictly into a freshly built model
+    first, so a bad export never lands."""
     from ssl_xcit.models import create_model
 
     checkpoint_path = Path(checkpoint_path)
@@ -52,17 +56,21 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
         raise ValueError(
             f"{checkpoint_path} does not record its backbone name (hyper_parameters['backbone'])"
         )
-    model = create_model(name, **dict(hparams.get("backbone_kwargs") or {}))
+    kwargs = dict(hparams.get("backbone_kwargs") or {})
+    model = create_model(name, **kwargs)
     model.load_state_dict(state, strict=True)
     # Plain contiguous CPU tensors, in the model's own key order.
     plain = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    return atomic_torch_save(plain, out_path, private=True), name
+    # Only the architecture arguments: training-time ones (drop_path_rate) do not describe the weights.
+    arch = {k: v for k, v in kwargs.items() if k != "drop_path_rate"}
+    record = {"state_dict": plain, "hyper_parameters": {"backbone": model.name, "backbone_kwargs": arch}}
+    return atomic_torch_save(record, out_path, private=True), name
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     parser = argparse.ArgumentParser(
         prog="ssl-xcit export",
-        description="Export the teacher backbone of a DINO checkpoint as a plain (timm-compatible) state dict.",
+        description="Export the teacher backbone of a DINO checkpoint (timm-compatible state dict + its model name).",
     )
     parser.add_argument(
         "checkpoint",

@@ -1,4 +1,4 @@
-"""DINO as a LightningModule: student/teacher XCiT + DINOHead, the DINO loss, and the reference training step.
+"""DINO as a LightningModule: student/teacher backbones + DINOHead, the DINO loss, and the reference training step.
 
 One training step, top to bottom (``main_dino.py:train_one_epoch``):
 
@@ -103,7 +103,7 @@ def _crops_from_batch(batch: Any) -> list[torch.Tensor]:
 
 
 class DINO(LightningModule):
-    """Self-distillation with no labels (DINO, Caron et al. 2021) for XCiT backbones.
+    """Self-distillation with no labels (DINO, Caron et al. 2021) for any registered backbone.
 
     Defaults are the reference ``main_dino.py`` defaults (see ``recipes/`` for the published XCiT runs).
 

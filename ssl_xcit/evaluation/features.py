@@ -54,7 +54,8 @@ class FeatureConfig:
     ``n_last_blocks=1, avgpool_patchtokens=False`` is the final normed CLS embedding, i.e. ``model(x)``: what DINO
     uses for XCiT in both k-NN and linear evaluation. ``n_last_blocks=n`` concatenates the CLS embeddings
     computed from the last n XCA blocks (DINO's ViT-S linear recipe uses 4); ``avgpool_patchtokens`` appends
-    the mean of the final normed patch tokens (DINO's ViT-B recipe), which is also timm's ``global_pool="avg"``.
+    the mean of the backbone's dense tokens (``forward_patch_tokens``: the final normed patch tokens for ViT and
+    CaiT, DINO's ViT-B recipe; XCiT's tokens before class attention).
     """
 
     n_last_blocks: int = 1
@@ -78,13 +79,9 @@ def compute_features(
     """The (B, D) frozen feature of ``config`` for a batch of images."""
     if config.n_last_blocks == 1 and not config.avgpool_patchtokens:
         return model(images)
-    if config.n_last_blocks == 1:
-        tokens = model.forward_features(images)  # one forward gives the CLS and the patch tokens
-        parts = [tokens[:, 0], tokens[:, 1:].mean(dim=1)]
-    else:
-        parts = list(model.get_intermediate_cls(images, config.n_last_blocks))
-        if config.avgpool_patchtokens:
-            parts.append(model.forward_features(images)[:, 1:].mean(dim=1))
+    parts = list(model.get_intermediate_cls(images, config.n_last_blocks))
+    if config.avgpool_patchtokens:
+        parts.append(model.forward_patch_tokens(images)[0].mean(dim=1))
     return torch.cat(parts, dim=-1)
 
 

@@ -1,4 +1,4 @@
-"""Load XCiT weights from any of the layouts users have on disk.
+"""Load backbone weights (any registered family) from any of the layouts users have on disk.
 
 Accepted sources, all through :func:`load_pretrained`:
 
@@ -7,7 +7,10 @@ Accepted sources, all through :func:`load_pretrained`:
 * wrapper prefixes ``module.`` (DDP) and ``backbone.`` (DINO's MultiCropWrapper);
 * containers ``teacher`` / ``student`` / ``model`` / ``state_dict`` (the teacher is preferred: DINO evaluates it);
 * our Lightning checkpoints, whose ``state_dict`` holds ``teacher.backbone.*`` and whose ``hyper_parameters``
-  name the backbone.
+  name the backbone; ``ssl-xcit export`` files, which record the name and ``backbone_kwargs`` the same way.
+
+Without a recorded name the family is inferred from the state dict's keys (each family's ``infer_variant``
+hook, else an exact shape match against its variants), so a checkpoint of another family is reported by name.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ssl_xcit.models.registry import SIZES, canonical_name, create_model
-from ssl_xcit.models.xcit import XCiT
+from ssl_xcit.models import registry
+from ssl_xcit.models.base import Backbone
+from ssl_xcit.models.registry import create_model, family_module, list_families, resolve
 
 # Keys that belong to a DINO projection head or a classifier, never to the backbone.
 _HEAD_KEY = re.compile(r"^(head\.(mlp|last_layer)\.|head\.(weight|bias)$)")
@@ -99,36 +103,35 @@ def extract_state_dict(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Tensor]
 
 
 def convert_state_dict(
-    state_dict: Mapping[str, Tensor], model: XCiT | None = None
+    state_dict: Mapping[str, Tensor], model: Backbone | None = None
 ) -> tuple[dict[str, Tensor], list[str]]:
     """Translate official/DINO naming into ours; returns ``(state_dict, dropped_head_keys)``.
 
     Head keys are dropped when the model has no classifier (``num_classes == 0``) or when they belong to a DINO
-    projection head.
+    projection head. Family-specific renames (``convert_state_dict`` hooks, e.g. XCiT's official layout via timm's
+    filter) run for the model's family, or for every family when no model is given.
     """
     out: dict[str, Tensor] = {}
     dropped: list[str] = []
-    keep_classifier = model is not None and model.num_classes > 0
+    keep_classifier = model is not None and getattr(model, "num_classes", 0) > 0
     for key, value in state_dict.items():
         for prefix in ("module.", "backbone.", "_orig_mod."):
             while key.startswith(prefix):
                 key = key[len(prefix) :]
-        if key.startswith("pos_embeder."):
-            key = "pos_embed." + key[len("pos_embeder.") :]
         if _HEAD_KEY.match(key) and not (keep_classifier and key in ("head.weight", "head.bias")):
             dropped.append(key)
             continue
-        fused = re.match(r"^(cls_attn_blocks\.\d+\.attn\.)qkv\.(weight|bias)$", key)
-        if fused:
-            for part, chunk in zip(("q", "k", "v"), value.chunk(3, dim=0), strict=True):
-                out[f"{fused.group(1)}{part}.{fused.group(2)}"] = chunk.clone()
-            continue
         out[key] = value
+    families = [model.family] if model is not None and model.family in list_families() else list_families()
+    for family in families:
+        hook = getattr(family_module(family), "convert_state_dict", None)
+        if hook is not None:
+            out = hook(out)
     return out, dropped
 
 
 def load_pretrained(
-    model: XCiT, source: str | os.PathLike | Mapping[str, Any], strict: bool = True
+    model: Backbone, source: str | os.PathLike | Mapping[str, Any], strict: bool = True
 ) -> LoadReport:
     """Load weights from a path or a checkpoint dict into ``model``.
 
@@ -139,6 +142,12 @@ def load_pretrained(
     checkpoint = read_checkpoint(source) if isinstance(source, (str, os.PathLike)) else source
     raw, _ = extract_state_dict(checkpoint)
     state, dropped = convert_state_dict(raw, model)
+    family = infer_family(state)
+    if family is not None and family != model.family:
+        raise ValueError(
+            f"checkpoint {label} holds a {family} backbone, but the model {model.name} is a {model.family} "
+            f"backbone; build a {family} model (e.g. build_backbone(weights) infers it)"
+        )
     own = model.state_dict()
     mismatched = [
         f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
@@ -167,31 +176,52 @@ def load_pretrained(
     return report
 
 
-def infer_architecture(state_dict: Mapping[str, Tensor]) -> tuple[str, dict[str, int]] | None:
-    """``(registered name, overrides)`` matching the tensor shapes, or ``None`` if it is no XCiT.
+def _shape_match(family: str, state: Mapping[str, Tensor]) -> tuple[str, dict] | None:
+    """The first variant of ``family`` whose state dict has exactly these keys and shapes (meta-built)."""
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    for name in registry.list_models(family):
+        own = create_model(name, device="meta").state_dict()
+        if {k: tuple(v.shape) for k, v in own.items()} == shapes:
+            return name, {}
+    return None
 
-    Width, heads and patch size pick the family member; a depth other than the registered one (a truncated
-    model, e.g. ``depth=4``) comes back as an override.
+
+def infer_architecture(state_dict: Mapping[str, Tensor]) -> tuple[str, dict[str, Any]] | None:
+    """``(registered name, overrides)`` matching the tensor shapes, or ``None`` if no family recognises them.
+
+    Each family's ``infer_variant`` hook picks the variant (a truncated depth comes back as an override);
+    families without one are matched exactly on their variants' shapes.
     """
     state, _ = convert_state_dict(state_dict)
-    token = state.get("cls_token")
-    if token is None:
-        return None
-    width = token.shape[-1]
-    depth = 1 + max((int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k))), default=-1)
-    convs = {int(m.group(1)) for k in state if (m := re.match(r"patch_embed\.proj\.(\d+)\.0\.weight", k))}
-    patch = {4: 16, 3: 8}.get(len(convs))
-    temperature = state.get("blocks.0.attn.temperature")
-    heads = temperature.shape[0] if temperature is not None else None
-    candidates = [
-        size for size, spec in SIZES.items() if spec.embed_dim == width and heads in (None, spec.num_heads)
-    ]
-    if patch is None or depth < 1 or not candidates:
-        return None
-    exact = [size for size in candidates if SIZES[size].depth == depth]
-    size = exact[0] if exact else min(candidates, key=lambda c: abs(SIZES[c].depth - depth))
-    overrides = {} if exact else {"depth": depth}
-    return f"xcit_{size}_p{patch}", overrides
+    for family in list_families():
+        hook = getattr(family_module(family), "infer_variant", None)
+        found = hook(state) if hook is not None else _shape_match(family, state)
+        if found is not None:
+            return found
+    return None
+
+
+def _key_pattern(keys: Any) -> set[str]:
+    return {re.sub(r"\.\d+\.", ".#.", k) for k in keys}
+
+
+def infer_family(state_dict: Mapping[str, Tensor]) -> str | None:
+    """The family a state dict belongs to: by ``infer_architecture``, else by parameter-name overlap (at least
+    half of the names, block indices ignored) with a family's smallest variant; ``None`` if unrecognised."""
+    found = infer_architecture(state_dict)
+    if found is not None:
+        return resolve(found[0]).family
+    keys = _key_pattern(convert_state_dict(state_dict)[0])
+    best, score = None, 0.5
+    for family in list_families():
+        names = registry.list_models(family)
+        if not names:
+            continue
+        ref = _key_pattern(create_model(names[0], device="meta").state_dict())
+        overlap = len(keys & ref) / max(len(keys | ref), 1)
+        if overlap >= score:
+            best, score = family, overlap
+    return best
 
 
 def infer_model_name(state_dict: Mapping[str, Tensor]) -> str | None:
@@ -204,13 +234,13 @@ def _describe(name: str, overrides: Mapping[str, Any]) -> str:
     return name + "".join(f" with {k}={v}" for k, v in sorted(overrides.items()))
 
 
-def build_backbone(weights: str | os.PathLike | None, name: str | None = None, **overrides) -> XCiT:
+def build_backbone(weights: str | os.PathLike | None, name: str | None = None, **overrides) -> Backbone:
     """Build a backbone and load ``weights`` into it.
 
-    The architecture is ``name`` if given, else the one recorded in a Lightning checkpoint (``backbone`` and
-    ``backbone_kwargs`` hyper-parameters), else the one inferred from tensor shapes. A checkpoint of another
-    architecture than ``name`` raises a ValueError naming both. With ``weights=None`` a randomly initialised
-    ``name`` is returned (a baseline).
+    The architecture is ``name`` if given, else the one recorded in the checkpoint (``backbone`` and
+    ``backbone_kwargs`` hyper-parameters of a Lightning checkpoint or an ``ssl-xcit export`` file), else the one
+    inferred from tensor shapes. A checkpoint of another architecture than ``name`` raises a ValueError naming
+    both (and both families when they differ). With ``weights=None`` a randomly initialised ``name`` is returned.
     """
     if weights is None:
         if name is None:
@@ -220,18 +250,25 @@ def build_backbone(weights: str | os.PathLike | None, name: str | None = None, *
     state, hinted = extract_state_dict(checkpoint)
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
     hinted_kwargs = dict((hparams or {}).get("backbone_kwargs") or {}) if hinted else {}
-    inferred = infer_architecture(state)
-    found = (canonical_name(hinted), hinted_kwargs) if hinted else inferred
+    found = (resolve(hinted).name, hinted_kwargs) if hinted else infer_architecture(state)
     if name is not None:
-        wanted = (canonical_name(name), {k: v for k, v in overrides.items() if k == "depth"})
+        wanted = (resolve(name).name, {k: v for k, v in overrides.items() if k == "depth"})
         if found is not None and (found[0], {k: v for k, v in found[1].items() if k == "depth"}) != wanted:
+            have, want = resolve(found[0]).family, resolve(name).family
+            families = f" (a {have} checkpoint, not {want})" if have != want else ""
             raise ValueError(
-                f"checkpoint {weights} holds a {_describe(*found)} backbone, but {_describe(*wanted)} was requested"
+                f"checkpoint {weights} holds a {_describe(*found)} backbone, but {_describe(*wanted)} was "
+                f"requested{families}"
+            )
+        if found is None and (family := infer_family(state)) is not None and family != resolve(name).family:
+            raise ValueError(
+                f"checkpoint {weights} holds a {family} backbone, but {name} is a {resolve(name).family} model"
             )
         arch_kwargs = dict(found[1]) if found is not None else {}
     elif found is None:
         raise ValueError(
-            f"cannot tell the architecture of {weights}: pass the model name explicitly (e.g. --arch xcit_small_12_p16)"
+            f"cannot tell the architecture of {weights} (no registered family matches its keys): pass the model "
+            f"name explicitly (e.g. --arch xcit_small_12_p16); families: {', '.join(list_families())}"
         )
     else:
         name, arch_kwargs = found

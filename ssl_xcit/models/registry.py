@@ -1,117 +1,173 @@
-"""Named XCiT variants (paper Table 1 and Table B.1) and :func:`create_model`."""
+"""The one registry of backbone names, for every family, and :func:`create_model`.
+
+Each family lives in ``ssl_xcit/models/<family>.py`` and exposes
+
+* ``VARIANTS: dict[str, dict]``: registered name -> constructor keyword arguments;
+* one :class:`~ssl_xcit.models.base.Backbone` subclass (``MODEL_CLASS`` if the module defines several);
+* optionally ``resolve_name(name) -> (variant, overrides) | None`` for aliases (timm's ``_224`` suffixes) and
+  open-ended names (any timm ViT), ``infer_variant(state_dict)`` and ``convert_state_dict(state_dict)`` for
+  checkpoint loading, ``describe_variant(name)`` for summaries.
+
+Families are imported lazily from :data:`FAMILIES`; a family whose module is absent from this checkout is
+skipped, so a new family only needs its module and its name in that tuple.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
 
 import torch
 
-from ssl_xcit.models.xcit import XCiT
+from ssl_xcit.models.base import Backbone
+
+# Order of listing. Modules missing from a checkout are skipped (see _family_modules).
+FAMILIES: tuple[str, ...] = ("xcit", "cait", "vit", "crossformerpp", "bixt")
 
 
 @dataclass(frozen=True)
-class XCiTSize:
-    """Shape of one XCiT family member.
+class Entry:
+    """A resolved name: its family, the class that builds it and the constructor arguments."""
 
-    ``eta`` is the LayerScale init and ``supervised_drop_path`` the stochastic-depth rate of paper Table B.1
-    (the supervised ImageNet recipe; DINO recipes set their own). ``tokens_norm`` follows the released
-    checkpoints: every size but nano normalises all tokens in class attention.
-    """
-
-    embed_dim: int
-    depth: int
-    num_heads: int
-    eta: float
-    tokens_norm: bool
-    supervised_drop_path: dict[int, float]
+    name: str
+    family: str
+    cls: type[Backbone]
+    kwargs: dict
 
 
-SIZES: dict[str, XCiTSize] = {
-    "nano_12": XCiTSize(128, 12, 4, 1.0, False, {16: 0.0, 8: 0.0}),
-    "tiny_12": XCiTSize(192, 12, 4, 1.0, True, {16: 0.0, 8: 0.0}),
-    "tiny_24": XCiTSize(192, 24, 4, 1e-5, True, {16: 0.05, 8: 0.05}),
-    "small_12": XCiTSize(384, 12, 8, 1.0, True, {16: 0.05, 8: 0.05}),
-    "small_24": XCiTSize(384, 24, 8, 1e-5, True, {16: 0.1, 8: 0.1}),
-    "medium_24": XCiTSize(512, 24, 8, 1e-5, True, {16: 0.15, 8: 0.15}),
-    "large_24": XCiTSize(768, 24, 16, 1e-5, True, {16: 0.25, 8: 0.3}),
-}
-PATCH_SIZES = (16, 8)
+@cache
+def _family_modules() -> dict[str, ModuleType]:
+    modules = {}
+    for family in FAMILIES:
+        module_name = f"ssl_xcit.models.{family}"
+        try:
+            modules[family] = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != module_name:  # the family exists but one of its own imports is missing: say so
+                raise
+    return modules
 
 
-def _name(size: str, patch: int) -> str:
-    return f"xcit_{size}_p{patch}"
+def family_module(family: str) -> ModuleType:
+    """The module of a registered family (``ValueError`` naming the available ones otherwise)."""
+    modules = _family_modules()
+    if family not in modules:
+        raise ValueError(f"unknown backbone family {family!r}; available families: {', '.join(modules)}")
+    return modules[family]
 
 
-MODEL_CONFIGS: dict[str, dict] = {
-    _name(size, patch): dict(
-        patch_size=patch,
-        embed_dim=spec.embed_dim,
-        depth=spec.depth,
-        num_heads=spec.num_heads,
-        eta=spec.eta,
-        tokens_norm=spec.tokens_norm,
-    )
-    for size, spec in SIZES.items()
-    for patch in PATCH_SIZES
-}
+def family_class(family: str) -> type[Backbone]:
+    """The Backbone subclass that builds a family's models."""
+    module = family_module(family)
+    cls = getattr(module, "MODEL_CLASS", None)
+    if cls is None:
+        own = [
+            obj
+            for obj in vars(module).values()
+            if inspect.isclass(obj) and issubclass(obj, Backbone) and obj.__module__ == module.__name__
+        ]
+        if len(own) != 1:
+            raise TypeError(
+                f"family module {module.__name__} must define one Backbone subclass or MODEL_CLASS"
+            )
+        cls = own[0]
+    return cls
 
 
-def list_models() -> list[str]:
-    """The registered model names, smallest first."""
-    return list(MODEL_CONFIGS)
+def list_families() -> list[str]:
+    """The families available in this installation, in listing order."""
+    return list(_family_modules())
+
+
+def list_models(family: str | None = None) -> list[str]:
+    """Registered variant names (of one family if given), in family order, each family smallest first."""
+    families = [family] if family is not None else list_families()
+    return [name for f in families for name in family_module(f).VARIANTS]
+
+
+def _unknown(name: str) -> ValueError:
+    lines = [f"  {family}: {', '.join(module.VARIANTS)}" for family, module in _family_modules().items()]
+    if "vit" in _family_modules():
+        lines.append("  (vit also takes any plain timm ViT name, e.g. vit_small_patch16_224)")
+    return ValueError(f"unknown model {name!r}; families and their variants:\n" + "\n".join(lines))
+
+
+def resolve(name: str) -> Entry:
+    """Find ``name`` (or an alias a family accepts) in the registry; ``ValueError`` listing all names if absent."""
+    key = str(name).strip()
+    for family, module in _family_modules().items():
+        if key in module.VARIANTS:
+            return Entry(key, family, family_class(family), dict(module.VARIANTS[key]))
+    for family, module in _family_modules().items():
+        resolver = getattr(module, "resolve_name", None)
+        found = resolver(key) if resolver is not None else None
+        if found is not None:
+            variant, overrides = found
+            base = dict(module.VARIANTS.get(variant, {}))
+            return Entry(variant, family, family_class(family), {**base, **overrides})
+    raise _unknown(name)
 
 
 def canonical_name(name: str) -> str:
-    """Map a name (also timm's ``xcit_small_12_p16_224`` spelling) to a registered one, or raise a ValueError."""
-    key = name.strip()
-    for suffix in ("_224", "_384", "_448"):
-        if key.endswith(suffix) and key[: -len(suffix)] in MODEL_CONFIGS:
-            key = key[: -len(suffix)]
-    if key not in MODEL_CONFIGS:
-        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(list_models())}")
-    return key
+    """The registered name for ``name`` (aliases such as timm's ``xcit_small_12_p16_224`` resolved)."""
+    return resolve(name).name
+
+
+def family_of(name: str) -> str:
+    """The family of a registered name."""
+    return resolve(name).family
 
 
 def model_config(name: str) -> dict:
     """The constructor arguments of a registered variant."""
-    return dict(MODEL_CONFIGS[canonical_name(name)])
+    return dict(resolve(name).kwargs)
 
 
-def supervised_drop_path(name: str) -> float:
-    """Stochastic-depth rate of paper Table B.1 for this variant."""
-    key = canonical_name(name)
-    size = key[len("xcit_") : key.rindex("_p")]
-    return SIZES[size].supervised_drop_path[MODEL_CONFIGS[key]["patch_size"]]
+def create_model(name: str, **overrides) -> Backbone:
+    """Build a registered backbone of any family; ``overrides`` replace constructor arguments.
 
-
-def create_model(name: str, **overrides) -> XCiT:
-    """Build a registered XCiT; ``overrides`` replace constructor arguments (e.g. ``drop_path_rate=0.1``).
-
-    ``num_classes`` defaults to 0, so the model returns the CLS embedding. Pass ``device="meta"`` to build
-    the structure without allocating weights (parameter counting).
+    ``num_classes`` defaults to 0 in every family, so the model returns its global embedding. Pass
+    ``device="meta"`` to build the structure without allocating weights (parameter and FLOP counting).
     """
-    key = canonical_name(name)
-    config = model_config(key)
+    entry = resolve(name)
     device = overrides.pop("device", None)
-    unknown = sorted(set(overrides) - set(inspect.signature(XCiT).parameters))
-    if unknown:
-        raise TypeError(f"create_model({key!r}) got unknown arguments {unknown}")
-    config.update(overrides)
-    config["name"] = key
-    if device is not None:
-        with torch.device(device):
-            return XCiT(**config)
-    return XCiT(**config)
+    params = inspect.signature(entry.cls).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = sorted(set(overrides) - set(params))
+    if unknown and not takes_any:
+        raise TypeError(
+            f"create_model({entry.name!r}) got unknown arguments {unknown}; {entry.cls.__name__} takes "
+            f"{', '.join(p for p in params if p not in ('self', 'name'))}"
+        )
+    config = {**entry.kwargs, **overrides}
+    if "num_classes" in params:  # a backbone by default, whatever the family's own default
+        config.setdefault("num_classes", 0)
+    if "name" in params:
+        config["name"] = entry.name
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = entry.cls(**config)
+    model.name = entry.name
+    return model
 
 
 def describe(name: str) -> dict:
-    """Registry facts about a variant (shape, LayerScale init, Table B.1 drop path) for summaries."""
-    key = canonical_name(name)
-    size = key[len("xcit_") : key.rindex("_p")]
-    info = asdict(SIZES[size])
-    info.pop("supervised_drop_path")
-    info.update(
-        name=key, patch_size=MODEL_CONFIGS[key]["patch_size"], supervised_drop_path=supervised_drop_path(key)
-    )
+    """Registry facts about a variant: family, constructor arguments and family-specific details."""
+    entry = resolve(name)
+    info = {"name": entry.name, "family": entry.family, **entry.kwargs}
+    hook = getattr(family_module(entry.family), "describe_variant", None)
+    if hook is not None:
+        info.update(hook(entry.name))
     return info
+
+
+def supervised_drop_path(name: str) -> float:
+    """Stochastic-depth rate of the family's supervised recipe for this variant (XCiT Table B.1, CaiT Table 3)."""
+    entry = resolve(name)
+    hook = getattr(family_module(entry.family), "supervised_drop_path", None)
+    if hook is None:
+        raise ValueError(f"{entry.family} records no supervised drop-path rate for {entry.name}")
+    return hook(entry.name)

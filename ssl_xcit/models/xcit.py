@@ -7,11 +7,18 @@ Besides the CLS embedding the model exposes what evaluation needs: the patch tok
 (``forward_patch_tokens``, for VLAD/ASMK), outputs of chosen XCA blocks (``get_intermediate_layers``), CLS
 embeddings computed from earlier blocks (``get_intermediate_cls``, for linear probes), and the class-attention
 maps per head (``get_class_attention``, for visualisation).
+
+Which parts are timm's modules and which are ours (and why: measured speed, or attention weights the interface
+needs) is listed in :mod:`ssl_xcit.models.layers`. The official-checkpoint renames go through timm's
+``checkpoint_filter_fn`` (:func:`convert_state_dict`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from timm.layers import trunc_normal_
@@ -19,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.models.base import Backbone
-from ssl_xcit.models.layers import ClassAttentionBlock, ConvPatchEmbed, PositionalEncodingFourier, XCABlock
+from ssl_xcit.models.layers import ClassAttentionBlock, PositionalEncodingFourier, XCABlock, conv_patch_embed
 
 
 class XCiT(Backbone):
@@ -77,7 +84,7 @@ class XCiT(Backbone):
         self.num_heads = num_heads
         self.grad_checkpointing = False
 
-        self.patch_embed = ConvPatchEmbed(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        self.patch_embed = conv_patch_embed(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = PositionalEncodingFourier(dim=embed_dim) if use_pos_embed else None
         self.pos_drop = nn.Dropout(pos_drop_rate)
@@ -225,3 +232,110 @@ def _init_weights(module: nn.Module) -> None:
         trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
+
+
+# --------------------------------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class XCiTSize:
+    """Shape of one XCiT family member.
+
+    ``eta`` is the LayerScale init and ``supervised_drop_path`` the stochastic-depth rate of paper Table B.1
+    (the supervised ImageNet recipe; DINO recipes set their own). ``tokens_norm`` follows the released
+    checkpoints: every size but nano normalises all tokens in class attention.
+    """
+
+    embed_dim: int
+    depth: int
+    num_heads: int
+    eta: float
+    tokens_norm: bool
+    supervised_drop_path: dict[int, float]
+
+
+SIZES: dict[str, XCiTSize] = {
+    "nano_12": XCiTSize(128, 12, 4, 1.0, False, {16: 0.0, 8: 0.0}),
+    "tiny_12": XCiTSize(192, 12, 4, 1.0, True, {16: 0.0, 8: 0.0}),
+    "tiny_24": XCiTSize(192, 24, 4, 1e-5, True, {16: 0.05, 8: 0.05}),
+    "small_12": XCiTSize(384, 12, 8, 1.0, True, {16: 0.05, 8: 0.05}),
+    "small_24": XCiTSize(384, 24, 8, 1e-5, True, {16: 0.1, 8: 0.1}),
+    "medium_24": XCiTSize(512, 24, 8, 1e-5, True, {16: 0.15, 8: 0.15}),
+    "large_24": XCiTSize(768, 24, 16, 1e-5, True, {16: 0.25, 8: 0.3}),
+}
+PATCH_SIZES = (16, 8)
+
+# Registry table (name -> constructor kwargs), read by ssl_xcit.models.registry.
+VARIANTS: dict[str, dict] = {
+    f"xcit_{size}_p{patch}": dict(
+        patch_size=patch,
+        embed_dim=spec.embed_dim,
+        depth=spec.depth,
+        num_heads=spec.num_heads,
+        eta=spec.eta,
+        tokens_norm=spec.tokens_norm,
+    )
+    for size, spec in SIZES.items()
+    for patch in PATCH_SIZES
+}
+
+
+def resolve_name(name: str) -> tuple[str, dict] | None:
+    """timm's spelling ``xcit_small_12_p16_224`` -> ``xcit_small_12_p16`` (XCiT has no size-bound weights)."""
+    for suffix in ("_224", "_384", "_448"):
+        if name.endswith(suffix) and name[: -len(suffix)] in VARIANTS:
+            return name[: -len(suffix)], {}
+    return None
+
+
+def _size_of(name: str) -> str:
+    return name[len("xcit_") : name.rindex("_p")]
+
+
+def supervised_drop_path(name: str) -> float:
+    """Stochastic-depth rate of paper Table B.1 for a registered XCiT variant."""
+    return SIZES[_size_of(name)].supervised_drop_path[VARIANTS[name]["patch_size"]]
+
+
+def describe_variant(name: str) -> dict:
+    """Registry facts (shape, LayerScale init, Table B.1 drop path) for summaries."""
+    info = {k: v for k, v in SIZES[_size_of(name)].__dict__.items() if k != "supervised_drop_path"}
+    return dict(
+        info, patch_size=VARIANTS[name]["patch_size"], supervised_drop_path=supervised_drop_path(name)
+    )
+
+
+def convert_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Official XCiT/DINO naming (``pos_embeder``, fused class-attention ``qkv``) -> ours, by timm's filter."""
+    from timm.models.xcit import checkpoint_filter_fn
+
+    state = dict(state_dict)
+    blocks = {int(m.group(1)) for k in state if (m := re.match(r"cls_attn_blocks\.(\d+)\.", k))}
+    # timm's filter asks the model only whether it has a pos_embed, how many class-attention blocks it has and
+    # whether they are split into q/k/v (ours always are), so a stand-in avoids building the model.
+    shape = SimpleNamespace(
+        pos_embed=True,
+        cls_attn_blocks=range(1 + max(blocks, default=-1)),
+        state_dict=lambda: {"cls_attn_blocks.0.attn.q.weight": None},
+    )
+    return checkpoint_filter_fn(state, shape)
+
+
+def infer_variant(state: Mapping[str, Tensor]) -> tuple[str, dict] | None:
+    """``(variant, overrides)`` matching an XCiT state dict's shapes, or ``None``; a non-registered depth (a
+    truncated model) comes back as a ``depth`` override."""
+    token = state.get("cls_token")
+    if token is None or not any(k.startswith("cls_attn_blocks.") for k in state):
+        return None
+    width = token.shape[-1]
+    depth = 1 + max((int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k))), default=-1)
+    convs = {int(m.group(1)) for k in state if (m := re.match(r"patch_embed\.proj\.(\d+)\.0\.weight", k))}
+    patch = {4: 16, 3: 8}.get(len(convs))
+    temperature = state.get("blocks.0.attn.temperature")
+    heads = temperature.shape[0] if temperature is not None else None
+    candidates = [
+        s for s, spec in SIZES.items() if spec.embed_dim == width and heads in (None, spec.num_heads)
+    ]
+    if patch is None or depth < 1 or not candidates:
+        return None
+    exact = [s for s in candidates if SIZES[s].depth == depth]
+    size = exact[0] if exact else min(candidates, key=lambda c: abs(SIZES[c].depth - depth))
+    return f"xcit_{size}_p{patch}", ({} if exact else {"depth": depth})

@@ -1,4 +1,4 @@
-"""Global (CLS) and local (patch-token) descriptors of retrieval images from an XCiT backbone.
+"""Global (CLS) and local (patch-token) descriptors of retrieval images from a backbone (any family).
 
 Local descriptors are the patch tokens after the last XCA block, before class attention
 (``model.forward_patch_tokens``), as in XCiT appendix D.3: the class-attention blocks only update CLS, and the

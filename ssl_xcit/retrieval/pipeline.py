@@ -105,7 +105,7 @@ def run_retrieval(config: RetrievalConfig, model: nn.Module | None = None) -> di
             None if config.no_cache else Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         )
         store = DescriptorStore(model, config, arch, cache_dir)
-        db_images, q_images, train_images = _image_sets(dataset, config, int(model.patch_size))
+        db_images, q_images, train_images = _image_sets(dataset, config, int(model.size_multiple))
         timings["setup_s"] = time.perf_counter() - t0
         ranking = cls_ranking if config.method == "cls" else local_ranking
         ranks, result = ranking(store, db_images, q_images, train_images, timings)

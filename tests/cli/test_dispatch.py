@@ -13,16 +13,47 @@ def test_unknown_command_lists_the_valid_ones():
         main(["trian"])
 
 
-def test_models_lists_all_variants(capsys):
-    names = main(["models"])
-    assert len(names) == 14
-    assert "xcit_small_12_p16        25.87M params" in capsys.readouterr().out
+def test_models_lists_a_family_with_params_and_gmacs(capsys):
+    rows = main(["models", "--family", "vit"])
+    assert [r["name"] for r in rows][:3] == [
+        "vit_tiny_patch16_224",
+        "vit_small_patch16_224",
+        "vit_small_patch8_224",
+    ]
+    small = rows[1]
+    # ViT-S/16: 21.67M parameters without head, 4.6 GMACs at 224 (DINO paper Table 2 / timm).
+    assert (small["params_millions"], small["gmacs_224"], small["family"]) == (21.67, 4.6, "vit")
+    assert "vit_small_patch16_224" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "name,params,gmacs",
+    [("cait_xxs24", 11.76, 2.53), ("cait_s24", 46.53, 9.35), ("xcit_small_12_p16", 25.87, 4.8)],
+)
+def test_models_table_numbers_match_the_references(name, params, gmacs):
+    from ssl_xcit.cli.models import table_row
+
+    row = table_row(name)
+    assert row["params_millions"] == params
+    assert abs(row["gmacs_224"] - gmacs) / gmacs < 0.01  # backbones.md §0 (fvcore) / XCiT Table 1
+
+
+def test_every_family_is_listed():
+    from ssl_xcit.models import list_families, list_models
+
+    assert {"xcit", "cait", "vit"} <= set(list_families())
+    assert len(list_models("xcit")) == 14 and len(list_models("cait")) == 10
 
 
 def test_models_summary_runs_a_forward():
     summary = main(["models", "xcit_nano_12_p8", "--input-size", "48", "64"])
-    assert summary["patch_grid"] == [6, 8] and summary["patch_tokens"] == [1, 48, 128]
-    assert summary["cls_embedding"] == [1, 128] and summary["params_millions"] == 2.92
+    assert summary["dense_grid"] == [6, 8] and summary["dense_tokens"] == [1, 48, 128]
+    assert summary["embedding"] == [1, 128] and summary["params_millions"] == 2.92
+
+
+def test_models_summary_rejects_a_size_with_the_constraint():
+    with pytest.raises(ValueError, match="input size 50x64 .*multiples of 8"):
+        main(["models", "xcit_nano_12_p8", "--input-size", "50", "64"])
 
 
 def test_every_command_module_exists():
@@ -40,7 +71,7 @@ def test_python_dash_m_exits_zero():
         check=False,
     )
     assert out.returncode == 0, out.stderr
-    assert "cls_embedding          [1, 128]" in out.stdout
+    assert "embedding              [1, 128]" in out.stdout
 
 
 @pytest.mark.parametrize("script", ["lightning", "ssl-xcit"])

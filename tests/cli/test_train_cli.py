@@ -116,7 +116,7 @@ def test_export_round_trip_into_ours_and_timm(fitted, tmp_path):
     out = tmp_path / "teacher.pth"
     result = export_main([str(last), str(out)])
     assert result["model"] == "xcit_nano_12_p8"
-    state = torch.load(out, weights_only=True)
+    state = torch.load(out, weights_only=True)["state_dict"]
     ours = create_model("xcit_nano_12_p8", depth=1)
     ours.load_state_dict(state, strict=True)
     theirs = timm.create_model("xcit_nano_12_p8_224", pretrained=False, num_classes=0, depth=1)

@@ -134,11 +134,11 @@ def test_feature_variants_shapes_and_values():
         cls = compute_features(model, x)
         both = compute_features(model, x, FeatureConfig(1, True))
         last3 = compute_features(model, x, FeatureConfig(3, True))
-        tokens = model.forward_features(x)
+        tokens, _ = model.forward_patch_tokens(x)  # the interface's dense tokens
     c = model.embed_dim
     assert both.shape == (2, 2 * c) and last3.shape == (2, 4 * c)
     torch.testing.assert_close(both[:, :c], cls)
-    torch.testing.assert_close(both[:, c:], tokens[:, 1:].mean(1))
+    torch.testing.assert_close(both[:, c:], tokens.mean(1))
     torch.testing.assert_close(last3[:, 2 * c : 3 * c], cls, rtol=1e-4, atol=1e-5)  # the last block's CLS
     assert FeatureConfig(3, True).name == "cls3+avgpool"
     with pytest.raises(ValueError, match="n_last_blocks must be >= 1, got 0"):

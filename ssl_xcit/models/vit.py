@@ -1,0 +1,156 @@
+"""Any plain timm Vision Transformer by name, with dynamic image size, behind the :class:`Backbone` interface.
+
+``create_model("vit_small_patch16_224")`` builds ``timm.create_model(name, dynamic_img_size=True,
+num_classes=0)`` and adopts its modules, so parameter names are timm's (checkpoints load strictly both ways) and
+outputs at the native size equal timm's. The positional grid is resampled bicubically by timm for other sizes
+(96 px DINO crops, high-resolution retrieval). Any name timm registers as a plain ``VisionTransformer``
+(``timm.list_models("vit_*")``) works; ``VARIANTS`` lists the ones of the DINO and XCiT papers' comparisons.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+import timm
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import Tensor, nn
+
+from ssl_xcit.models.base import AttentionNotSupported, Backbone
+
+VARIANTS: dict[str, dict] = {
+    name: {"model_name": name}
+    for name in (
+        "vit_tiny_patch16_224",
+        "vit_small_patch16_224",  # DINO / XCiT papers' ViT-S/16
+        "vit_small_patch8_224",  # ViT-S/8
+        "vit_base_patch16_224",
+        "vit_base_patch8_224",
+        "vit_large_patch16_224",
+    )
+}
+_WIDTHS = {"tiny": 192, "small": 384, "base": 768, "large": 1024}
+
+
+class TimmViT(Backbone, VisionTransformer):
+    """A timm ``VisionTransformer`` (built by name) with dynamic image size and the backbone accessors.
+
+    Args:
+        model_name: a timm model name whose class is plain ``VisionTransformer``.
+        num_classes: 0 (default) makes ``forward`` return the pooled (CLS) embedding.
+        kwargs: any other ``timm.create_model`` argument (``drop_path_rate``, ``depth``, ``img_size``, ...).
+    """
+
+    family = "vit"
+
+    def __init__(self, model_name: str = "vit_small_patch16_224", num_classes: int = 0, **kwargs) -> None:
+        nn.Module.__init__(self)
+        kwargs.setdefault("dynamic_img_size", True)
+        refusal = (
+            f"{model_name!r} is not a plain timm VisionTransformer (no dynamic image size); the vit family takes "
+            "names like vit_small_patch16_224"
+        )
+        try:
+            source = timm.create_model(model_name, pretrained=False, num_classes=num_classes, **kwargs)
+        except TypeError as error:  # other ViT classes (relpos, ...) do not take dynamic_img_size
+            if "dynamic_img_size" in str(error):
+                raise ValueError(refusal) from error
+            raise
+        if type(source) is not VisionTransformer:
+            raise ValueError(refusal + f" (it is a {type(source).__name__})")
+        # Adopt the timm module's state (parameters, submodules, attributes): same names, same behaviour.
+        self.__dict__.update(source.__dict__)
+        self.name = model_name
+        self.model_name = model_name
+        self.dense_dim = self.embed_dim
+        self.size_multiple = self.patch_size = self.patch_embed.patch_size[0]
+        self.depth = len(self.blocks)
+        self.has_attention_maps = self.cls_token is not None
+
+    def _tokens(self, x: Tensor) -> Tensor:
+        self.check_input(x)
+        return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+
+    def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """All tokens (B, prefix + N, C) after the final norm, as timm, with a size check first."""
+        self.check_input(x)
+        return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+
+    def _grid(self, x: Tensor) -> tuple[int, int]:
+        return x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
+
+    def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """Final-norm patch tokens (B, N, C) (prefix tokens removed) and their grid."""
+        return self.forward_features(x)[:, self.num_prefix_tokens :], self._grid(x)
+
+    def _block_indices(self, n: int | Sequence[int]) -> list[int]:
+        indices = list(range(self.depth - n, self.depth)) if isinstance(n, int) else [int(i) for i in n]
+        bad = [i for i in indices if not -self.depth <= i < self.depth]
+        if bad or not indices:
+            raise ValueError(
+                f"block indices {bad or indices} are out of range for {self.name} with {self.depth} blocks"
+            )
+        return sorted(i % self.depth for i in indices)
+
+    def _block_outputs(self, x: Tensor, n: int | Sequence[int]) -> list[Tensor]:
+        wanted = self._block_indices(n)
+        x = self._tokens(x)
+        outputs = []
+        for i, block in enumerate(self.blocks[: wanted[-1] + 1]):
+            x = block(x)
+            if i in wanted:
+                outputs.append(x)
+        return outputs
+
+    def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Patch tokens (B, N, C) output by the chosen blocks (no final norm), prefix tokens removed."""
+        return [t[:, self.num_prefix_tokens :] for t in self._block_outputs(x, n)]
+
+    def get_intermediate_cls(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """The pooled embedding (CLS after the final norm, as DINO's ViT linear probe) of each chosen block."""
+        return [self.forward_head(self.norm(t), pre_logits=True) for t in self._block_outputs(x, n)]
+
+    def get_attention_maps(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
+        """The CLS query's attention over the patches in the last block, (B, heads, h*w), and the grid."""
+        if self.cls_token is None:
+            raise AttentionNotSupported(f"{self.name} has no class token, so no CLS attention map")
+        tokens = self._tokens(x)
+        for block in self.blocks[:-1]:
+            tokens = block(tokens)
+        last = self.blocks[-1]
+        attn = last.attn
+        u = last.norm1(tokens)
+        b, n, _ = u.shape
+        q, k, _ = attn.qkv(u).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        weights = (q[:, :, :1] * attn.scale @ k.transpose(-2, -1)).softmax(dim=-1)
+        return [weights[:, :, 0, self.num_prefix_tokens :]], self._grid(x)
+
+
+def resolve_name(name: str) -> tuple[str, dict] | None:
+    """Any timm ``vit_*`` name (the class is checked when the model is built)."""
+    if name.startswith("vit_") and timm.is_model(name):
+        return name, {"model_name": name}
+    return None
+
+
+def infer_variant(state: Mapping[str, Tensor]) -> tuple[str, dict] | None:
+    """A listed variant whose width and patch size the state dict has (other depth or size as overrides)."""
+    needed = ("cls_token", "pos_embed", "patch_embed.proj.weight", "blocks.0.attn.qkv.weight")
+    if any(k not in state for k in needed) or any(
+        k.startswith(("blocks_token_only.", "cls_attn")) for k in state
+    ):
+        return None
+    width = state["cls_token"].shape[-1]
+    patch = state["patch_embed.proj.weight"].shape[-1]
+    depth = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+    side = round((state["pos_embed"].shape[1] - 1) ** 0.5) * patch
+    for name in VARIANTS:
+        size, p = re.match(r"vit_(\w+?)_patch(\d+)_", name).groups()
+        if _WIDTHS.get(size) == width and int(p) == patch:
+            with torch.device("meta"):
+                ref_depth = len(TimmViT(name).blocks)
+            overrides = {} if depth == ref_depth else {"depth": depth}
+            return name, overrides | ({} if side == 224 else {"img_size": side})
+    return None

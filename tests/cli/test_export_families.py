@@ -1,0 +1,47 @@
+"""`ssl-xcit export` records the model name and backbone_kwargs; build_backbone rebuilds from them (every family)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssl_xcit.cli.export import main as export_main
+from ssl_xcit.models import build_backbone, create_model
+
+CASES = [
+    ("xcit_nano_12_p16", {"depth": 1, "tokens_norm": True}),  # nano's default is tokens_norm=False
+    ("cait_xxs24", {"depth": 1}),
+    ("vit_small_patch16_224", {"depth": 1}),
+]
+
+
+def _fake_dino_checkpoint(path, name, kwargs):
+    torch.manual_seed(0)
+    teacher, student = create_model(name, **kwargs), create_model(name, **kwargs)
+    state = {f"teacher.backbone.{k}": v for k, v in teacher.state_dict().items()}
+    state |= {f"student.backbone.{k}": v for k, v in student.state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": {"backbone": name, "backbone_kwargs": kwargs}}, path)
+    return teacher.eval()
+
+
+@pytest.mark.parametrize("name,kwargs", CASES)
+def test_export_round_trip_keeps_name_and_kwargs(tmp_path, name, kwargs):
+    teacher = _fake_dino_checkpoint(tmp_path / "run.ckpt", name, kwargs)
+    result = export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "out.pth")])
+    assert result["model"] == name
+    saved = torch.load(tmp_path / "out.pth", weights_only=True)
+    assert saved["hyper_parameters"] == {"backbone": name, "backbone_kwargs": kwargs}
+    create_model(name, **kwargs).load_state_dict(saved["state_dict"], strict=True)
+    rebuilt = build_backbone(tmp_path / "out.pth").eval()
+    assert rebuilt.name == name and type(rebuilt) is type(teacher)
+    x = torch.randn(1, 3, 32, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), teacher(x), rtol=0, atol=0)
+
+
+def test_recorded_tokens_norm_is_applied():
+    # Without the record, nano's default (tokens_norm=False) would be built: the outputs would differ.
+    name, kwargs = CASES[0]
+    plain = create_model(name, depth=1)
+    assert plain.cls_attn_blocks[0].tokens_norm is False
+    assert create_model(name, **kwargs).cls_attn_blocks[0].tokens_norm is True

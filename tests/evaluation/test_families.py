@@ -1,0 +1,84 @@
+"""k-NN and the linear probe on CaiT and timm-ViT backbones, through the CLI (flowers5, 20 images, depth 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssl_xcit.cli import main
+from ssl_xcit.evaluation.features import FeatureConfig, compute_features
+from ssl_xcit.evaluation.knn import knn_accuracy
+from ssl_xcit.models import create_model
+
+FAMILIES = [("cait_xxs24", {"depth": 1}), ("vit_small_patch16_224", {"depth": 1})]
+
+
+@pytest.fixture(scope="module")
+def twenty_flowers(shared_data, tmp_path_factory):
+    """5 classes x (3 train + 1 val) flowers5 photos as symlinked ImageFolder trees."""
+    root = tmp_path_factory.mktemp("flowers20")
+    for cls_dir in sorted((shared_data / "flowers5").iterdir()):
+        photos = sorted(cls_dir.glob("*.jpg"))[:4]
+        for split, chosen in (("train", photos[:3]), ("val", photos[3:])):
+            (root / split / cls_dir.name).mkdir(parents=True)
+            for p in chosen:
+                (root / split / cls_dir.name / p.name).symlink_to(p)
+    return root / "train", root / "val"
+
+
+def _weights(tmp_path, name, kwargs):
+    torch.manual_seed(0)
+    model = create_model(name, **kwargs)
+    path = tmp_path / f"{name}.pth"
+    # The ssl-xcit export layout: name and kwargs recorded, so --arch is not needed for a truncated model.
+    torch.save(
+        {"state_dict": model.state_dict(), "hyper_parameters": {"backbone": name, "backbone_kwargs": kwargs}},
+        path,
+    )
+    return path, model.eval()
+
+
+def _args(weights, train, val, cache):
+    return ["--weights", str(weights), "--train", str(train), "--val", str(val), "--resize-size", "37",
+            "--crop-size", "32", "--batch-size", "20", "--num-workers", "0", "--accelerator", "cpu",
+            "--devices", "1", "--cache-dir", str(cache), "--no-progress"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,kwargs", FAMILIES)
+def test_knn_and_linear_run_on_the_family(name, kwargs, twenty_flowers, tmp_path):
+    train, val = twenty_flowers
+    weights, model = _weights(tmp_path, name, kwargs)
+    knn = main(["knn", *_args(weights, train, val, tmp_path / "cache"), "--k", "3"])
+    assert knn["num_train"] == 15 and knn["num_val"] == 5 and knn["num_classes"] == 5
+    # Same numbers as k-NN on features computed by hand from the same backbone.
+    from ssl_xcit.data.datasets import build_dataset
+    from ssl_xcit.data.transforms import eval_transform
+
+    transform = eval_transform(resize=37, crop=32)
+    tr, va = build_dataset(train, transform), build_dataset(val, transform)
+    with torch.no_grad():
+        ftr = model(torch.stack([tr[i][0] for i in range(len(tr))]))
+        fva = model(torch.stack([va[i][0] for i in range(len(va))]))
+    direct = knn_accuracy(ftr, torch.tensor(tr.targets), fva, torch.tensor(va.targets), ks=(3,))
+    assert knn["results"]["3"]["top1"] == pytest.approx(direct[3]["top1"])
+    linear = main(["linear", *_args(weights, train, val, tmp_path / "cache"), "--fast", "--epochs", "2",
+                   "--lrs", "0.01", "--default-root-dir", str(tmp_path / "lin")])  # fmt: skip
+    assert (
+        linear["num_classes"] == 5 and linear["feature_dim"] == model.embed_dim and linear["num_train"] == 15
+    )
+    assert 0.0 <= linear["best"]["top1"] <= 100.0
+
+
+@pytest.mark.parametrize("name,kwargs", FAMILIES)
+def test_linear_probe_features_of_the_family(name, kwargs):
+    torch.manual_seed(0)
+    model = create_model(name, **{**kwargs, "depth": 3}).eval()
+    x = torch.randn(2, 3, 32, 48)
+    with torch.no_grad():
+        cls = compute_features(model, x)
+        four = compute_features(model, x, FeatureConfig(3, True))
+        tokens, _ = model.forward_patch_tokens(x)
+    c = model.embed_dim
+    assert four.shape == (2, 4 * c)
+    torch.testing.assert_close(four[:, 2 * c : 3 * c], cls, rtol=1e-4, atol=1e-5)  # the last block's CLS
+    torch.testing.assert_close(four[:, 3 * c :], tokens.mean(1))
