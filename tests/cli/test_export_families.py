@@ -12,6 +12,8 @@ CASES = [
     ("xcit_nano_12_p16", {"depth": 1, "tokens_norm": True}),  # nano's default is tokens_norm=False
     ("cait_xxs24", {"depth": 1}),
     ("vit_small_patch16_224", {"depth": 1}),
+    ("crossformerpp_small", {"depths": (1, 1, 1, 1)}),
+    ("bixt_ti_l64_p16", {"depth": 2}),
 ]
 
 
@@ -34,7 +36,7 @@ def test_export_round_trip_keeps_name_and_kwargs(tmp_path, name, kwargs):
     create_model(name, **kwargs).load_state_dict(saved["state_dict"], strict=True)
     rebuilt = build_backbone(tmp_path / "out.pth").eval()
     assert rebuilt.name == name and type(rebuilt) is type(teacher)
-    x = torch.randn(1, 3, 32, 48)
+    x = torch.randn(1, 3, 64, 96)
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(x), teacher(x), rtol=0, atol=0)
 

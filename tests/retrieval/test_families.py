@@ -13,7 +13,12 @@ from ssl_xcit.models import create_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:ASMK codebook k=", "ignore:k-means with k=")
 # LayerScale 1.0 for the random CaiT: with its 1e-5 init every image would get almost the same embedding.
-FAMILIES = [("cait_xxs24", {"depth": 1, "init_values": 1.0}), ("vit_small_patch16_224", {"depth": 1})]
+FAMILIES = [
+    ("cait_xxs24", {"depth": 1, "init_values": 1.0}),
+    ("vit_small_patch16_224", {"depth": 1}),
+    ("crossformerpp_small", {"depths": (1, 1, 1, 1)}),
+    ("bixt_ti_l64_p16", {"depth": 2}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,5 +62,6 @@ def test_retrieval_methods_run_on_the_family(bench, tmp_path, name, kwargs, meth
     if method == "cls":
         assert result["descriptor_dim"] == model.embed_dim
     else:
-        # 64 px long side of 4:3 photos: 64x48 -> 4x3 patches of 16 px, all kept as local descriptors.
-        assert result["local_descriptors_per_image"] == 12
+        # 64 px long side of 4:3 photos: 64x48 -> 4x3 patches of 16 px, all kept as local descriptors;
+        # CrossFormer++ takes multiples of 32, so 64x64 -> its 4x4 stage-3 tokens (stride 16).
+        assert result["local_descriptors_per_image"] == (16 if name.startswith("crossformerpp") else 12)
