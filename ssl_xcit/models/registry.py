@@ -90,10 +90,16 @@ def list_models(family: str | None = None) -> list[str]:
 
 
 def _unknown(name: str) -> ValueError:
-    lines = [f"  {family}: {', '.join(module.VARIANTS)}" for family, module in _family_modules().items()]
-    if "vit" in _family_modules():
-        lines.append("  (vit also takes any plain timm ViT name, e.g. vit_small_patch16_224)")
-    return ValueError(f"unknown model {name!r}; families and their variants:\n" + "\n".join(lines))
+    """One line (the CLI prints one): the closest names, then every family with its variants."""
+    import difflib
+
+    families = _family_modules()
+    names = [n for module in families.values() for n in module.VARIANTS]
+    close = difflib.get_close_matches(str(name), names, n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    listing = "; ".join(f"{family}: {', '.join(module.VARIANTS)}" for family, module in families.items())
+    vit = " (vit also takes any plain timm ViT name, e.g. vit_small_patch16_224)" if "vit" in families else ""
+    return ValueError(f"unknown model {name!r}{hint}; families and their variants: {listing}{vit}")
 
 
 def resolve(name: str) -> Entry:
