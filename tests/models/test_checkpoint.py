@@ -99,9 +99,17 @@ def test_timm_weights_load_and_official_weights_load_into_timm(source):
     assert _same(source, reference) < 1e-5
 
 
+def _shapes(name: str) -> dict:
+    return {k: tuple(v.shape) for k, v in create_model(name, device="meta").state_dict().items()}
+
+
 @pytest.mark.parametrize("name", list_models())
 def test_architecture_is_inferred_from_shapes(name):
-    assert infer_model_name(create_model(name, device="meta").state_dict()) == name
+    inferred = infer_model_name(create_model(name, device="meta").state_dict())
+    if inferred != name:
+        # BiXT's token strides 16/8/4 share every parameter shape: a bare state dict cannot tell them apart
+        # (exports and our checkpoints record the name, so only foreign state dicts are ambiguous).
+        assert name.startswith("bixt_") and _shapes(inferred) == _shapes(name), (name, inferred)
 
 
 def test_wrong_shapes_name_keys_and_both_shapes(source):
