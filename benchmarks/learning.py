@@ -32,6 +32,8 @@ from torch import nn
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.dino.callbacks import OnlineKNN
 from ssl_xcit.dino.module import DINO
+from ssl_xcit.evaluation.embed import embed_dataset
+from ssl_xcit.evaluation.knn import weighted_knn
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SSL_XCIT_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -96,6 +98,13 @@ def settings(args: argparse.Namespace) -> tuple[dict, dict, int]:
     return model, data, args.epochs or epochs
 
 
+def knn_top1(model: nn.Module, bank, queries, k: int = 20) -> float:
+    """DINO's weighted k-NN top-1 (%) of ``model``'s embedding, T 0.07 (the online monitor's protocol)."""
+    b, q = embed_dataset(model, bank), embed_dataset(model, queries)
+    scores = weighted_knn(b["features"], b["labels"], q["features"], ks=(k,), temperature=0.07)[k]
+    return 100.0 * float((scores.argmax(1) == q["labels"]).float().mean())
+
+
 class Signals(L.Callback):
     """Teacher entropy and KL to uniform of every step."""
 
@@ -136,18 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer.fit(model, dm)
     minutes = (time.perf_counter() - start) / 60
     bank, queries = dm.knn_datasets()
-    # Raw pixels through the same extraction path: the "backbone" flattens the eval-transformed image.
-    bank_f, bank_y = knn._features(nn.Flatten(), bank, torch.device("cpu"))
-    query_f, query_y = knn._features(nn.Flatten(), queries, torch.device("cpu"))
-    from ssl_xcit.evaluation.knn import weighted_knn
-
-    scores = weighted_knn(bank_f, bank_y, query_f, ks=(20,), temperature=0.07)[20]
-    pixels = 100.0 * float((scores.argmax(1) == query_y).float().mean())
-    student = model.student.backbone.eval()
-    bank_f, _ = knn._features(student, bank, torch.device("cpu"))
-    query_f, _ = knn._features(student, queries, torch.device("cpu"))
-    scores = weighted_knn(bank_f, bank_y, query_f, ks=(20,), temperature=0.07)[20]
-    student_top1 = 100.0 * float((scores.argmax(1) == query_y).float().mean())
+    # Raw pixels go through the same extraction path: the "backbone" flattens the eval-transformed image.
+    pixels = knn_top1(nn.Flatten(), bank, queries)
+    student_top1 = knn_top1(model.student.backbone, bank, queries)
     tail = max(1, len(signals.entropy) // 10)
     result = {
         "tag": args.tag,
