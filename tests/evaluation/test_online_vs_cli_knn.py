@@ -13,15 +13,11 @@ from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.dino.callbacks import OnlineKNN
 from ssl_xcit.dino.module import DINO
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
-
-@pytest.fixture(scope="module")
-def flowers_subset(tmp_path_factory) -> Path:
+@pytest.fixture
+def flowers_subset(shared_data, tmp_path_factory) -> Path:
     """3 flowers5 classes x (10 train + 4 val) real photos in ImageFolder layout."""
-    source = SHARED / "flowers5"
-    if not source.is_dir():
-        pytest.skip(f"needs the shared data at {source}")
+    source = shared_data / "flowers5"
     root = tmp_path_factory.mktemp("flowers_subset")
     for name in ("daisy", "rose", "tulip"):
         files = sorted((source / name).iterdir())[:14]
