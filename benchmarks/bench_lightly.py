@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -302,7 +303,7 @@ def train_lightly(
         raise ValueError(f"{len(loader)} batches per epoch, fewer than steps_per_epoch={iters}")
     student.train()
     teacher.train()
-    losses, m_gap, step = [], 0.0, 0
+    losses, signals, m_gap, step = [], [], 0.0, 0
     start = time.perf_counter()
     for epoch in range(epochs):
         for i, batch in enumerate(loader):
@@ -316,6 +317,7 @@ def train_lightly(
             with torch.no_grad():
                 teacher_out = [teacher(v) for v in views[:2]]
             student_out = [student(v) for v in views]
+            signals.append(_signals(loss_fn, teacher_out, epoch))  # before the loss moves the centre
             loss = loss_fn(teacher_out, student_out, epoch=epoch)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"lightly loss is {loss.item()} at step {step}")
@@ -330,23 +332,44 @@ def train_lightly(
             update_momentum(student, teacher, m=m)
             losses.append(float(loss.detach()))
             step += 1
-    return {
-        "losses": losses,
-        "steps": step,
-        "minutes": (time.perf_counter() - start) / 60,
-        "momentum_gap": m_gap,
-    }
+    minutes = (time.perf_counter() - start) / 60
+    return {"losses": losses, "signals": signals, "steps": step, "minutes": minutes, "momentum_gap": m_gap}
+
+
+@torch.no_grad()
+def _signals(loss_fn: nn.Module, teacher_out: list[torch.Tensor], epoch: int) -> tuple[float, float]:
+    """(mean teacher entropy, KL of the mean teacher distribution to uniform) of lightly's centred, sharpened
+    teacher, as our DINOLoss reports them (the collapse signals)."""
+    if epoch < loss_fn.warmup_teacher_temp_epochs:
+        temp = float(loss_fn.teacher_temp_schedule[epoch])
+    else:
+        temp = loss_fn.teacher_temp
+    logits = torch.cat(teacher_out) - loss_fn.center.reshape(1, -1)
+    probs = torch.softmax(logits / temp, dim=-1)
+    entropy = -(probs * torch.log(probs.clamp_min(1e-12))).sum(-1).mean()
+    mean = probs.mean(0)
+    kl = (mean * torch.log(mean.clamp_min(1e-12))).sum() + math.log(probs.shape[1])
+    return float(entropy), float(kl)
+
+
+def _tail_mean(signals: list[tuple[float, float]]) -> tuple[float, float]:
+    """Entropy and KL averaged over the last 10 % of the steps."""
+    tail = signals[-max(1, len(signals) // 10) :]
+    return sum(e for e, _ in tail) / len(tail), sum(k for _, k in tail) / len(tail)
 
 
 # ---------------------------------------------------------------------------------------------- ours side
 def train_ours(model: DINO, dm: DINODataModule, epochs: int, limit_batches: int | None) -> dict[str, Any]:
     losses: list[float] = []
+    signals: list[tuple[float, float]] = []
 
     class Losses(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             value = trainer.callback_metrics.get("train/loss_step")
             if value is not None:
                 losses.append(float(value))
+            if pl_module.last_collapse_signals is not None:
+                signals.append(pl_module.last_collapse_signals)
 
     trainer = L.Trainer(
         max_epochs=epochs, limit_train_batches=limit_batches, accelerator="cpu", devices=1, logger=False,
@@ -355,7 +378,8 @@ def train_ours(model: DINO, dm: DINODataModule, epochs: int, limit_batches: int 
     )  # fmt: skip
     start = time.perf_counter()
     trainer.fit(model, dm)
-    return {"losses": losses, "steps": trainer.global_step, "minutes": (time.perf_counter() - start) / 60}
+    minutes = (time.perf_counter() - start) / 60
+    return {"losses": losses, "signals": signals, "steps": trainer.global_step, "minutes": minutes}
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -422,7 +446,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["rows"].append(
             {"run": name, "centering": model.hparams.centering, "steps": out["steps"], "minutes": out["minutes"],
              "knn": knn_top1(model.teacher.backbone, dm), "loss_first": out["losses"][0],
-             "loss_last": out["losses"][-1], "moved": _moved(init, model.student)}
+             "loss_last": out["losses"][-1], "moved": _moved(init, model.student), "signals": _tail_mean(out["signals"])}
         )  # fmt: skip
 
     # lightly: same start weights, files, crops, batch, steps and settings.
@@ -436,7 +460,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["rows"].append(
         {"run": "lightly", "centering": "ema (mean)", "steps": out["steps"], "minutes": out["minutes"],
          "knn": knn_top1(teacher.backbone, dm), "loss_first": out["losses"][0], "loss_last": out["losses"][-1],
-         "moved": _moved(init, student)}
+         "moved": _moved(init, student), "signals": _tail_mean(out["signals"])}
     )  # fmt: skip
     report(args, results)
     return results
@@ -463,12 +487,19 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     diff = sorted(set(hp) - same)
     print(f"hyper-parameters equal on both sides: {len(same)}/{len(hp)}; different: {diff or 'none'}")
     print(f"teacher momentum: lightly cosine_schedule vs ours, max |diff| {results['momentum_gap']:.2e}")
-    print(f"\n| run | centering | steps | train min | k-NN top-1 (k {K}, T {T}) | loss first -> last |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"H, KL end: teacher entropy and KL to uniform (nats, last 10 % of steps); ln(out_dim) = "
+        f"{math.log(hp['out_dim']):.2f} with KL ~ 0 is uniform collapse, H ~ 0 is one-prototype collapse"
+    )
+    print(
+        f"\n| run | centering | steps | train min | k-NN top-1 (k {K}, T {T}) | loss first -> last | H, KL end |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}" if "loss_first" in r else "-"
+        sig = "{:.2f}, {:.3f}".format(*r["signals"]) if "signals" in r else "-"
         print(
-            f"| {r['run']} | {r.get('centering', '-')} | {r['steps']} | {r['minutes']:.1f} | {r['knn']:.2f} | {loss} |"
+            f"| {r['run']} | {r.get('centering', '-')} | {r['steps']} | {r['minutes']:.1f} | {r['knn']:.2f} | {loss} | {sig} |"
         )
     by = {r["run"]: r["knn"] for r in results["rows"]}
     for name in [n for n in by if n.startswith("ours")]:

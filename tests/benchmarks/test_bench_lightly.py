@@ -121,8 +121,26 @@ def test_both_sides_train_two_steps(bench, tiny):
     assert _max_change(init.backbone, student.backbone) > 1e-4
     assert _max_change(teacher_start, teacher.backbone) > 1e-6
     assert float(loss_fn.center.abs().sum()) > 0  # lightly's centre was updated
+    assert len(out["signals"]) == 2 and all(math.isfinite(e) and math.isfinite(k) for e, k in out["signals"])
+    assert len(ours["signals"]) == 2
 
     # Both evaluate through the same k-NN path on the held-out images.
     for backbone in (model.teacher.backbone, teacher.backbone):
         top1 = bench.knn_top1(backbone, dm)
         assert 0.0 <= top1 <= 100.0
+
+
+def test_lightly_collapse_signals_on_constructed_cases(bench):
+    from lightly.loss import DINOLoss
+
+    loss_fn = DINOLoss(
+        output_dim=8, warmup_teacher_temp=0.02, teacher_temp=0.04, warmup_teacher_temp_epochs=2
+    )
+    uniform = [torch.zeros(4, 8), torch.zeros(4, 8)]
+    entropy, kl = bench._signals(loss_fn, uniform, epoch=0)
+    assert entropy == pytest.approx(math.log(8), abs=1e-6) and kl == pytest.approx(0.0, abs=1e-6)
+    one_hot = [torch.eye(8)[:4] * 10, torch.eye(8)[:4] * 10]  # four prototypes, one per image, very sharp
+    entropy, kl = bench._signals(loss_fn, one_hot, epoch=5)
+    assert entropy == pytest.approx(0.0, abs=1e-6) and kl == pytest.approx(
+        math.log(8) - math.log(4), abs=1e-5
+    )
