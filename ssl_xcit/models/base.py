@@ -37,6 +37,7 @@ class Backbone(nn.Module):
     embed_dim: int = 0
     dense_dim: int = 0
     size_multiple: int = 1
+    size_reason: str = ""  # why sides must be multiples of ``size_multiple``, appended to the size error
     has_attention_maps: bool = False
 
     def check_input(self, x: Tensor) -> None:
@@ -46,10 +47,22 @@ class Backbone(nn.Module):
         m = self.size_multiple
         if height % m or width % m or height == 0 or width == 0:
             hint = f"{max(m, round(height / m) * m)}x{max(m, round(width / m) * m)}"
+            reason = f"; {self.size_reason}" if self.size_reason else ""
             raise ValueError(
                 f"input size {height}x{width} does not fit {self.name}: both sides must be positive "
-                f"multiples of {m} (e.g. {hint})"
+                f"multiples of {m} (e.g. {hint}){reason}"
             )
+
+    def _block_indices(self, n: int | Sequence[int], total: int | None = None, detail: str = "") -> list[int]:
+        """Sorted non-negative indices of the last ``n`` blocks (an int) or of the given ones (negatives allowed)."""
+        total = int(getattr(self, "depth", 0)) if total is None else total
+        indices = list(range(total - n, total)) if isinstance(n, int) else [int(i) for i in n]
+        bad = [i for i in indices if not -total <= i < total]
+        if bad or not indices:
+            raise ValueError(
+                f"block indices {bad or indices} are out of range for {self.name} with {total} blocks{detail}"
+            )
+        return sorted(i % total for i in indices)
 
     def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         raise NotImplementedError

@@ -97,6 +97,7 @@ class BiXT(Backbone):
         self.num_features = self.embed_dim = self.dense_dim = embed_dim
         self.depth = depth
         self.size_multiple = stride
+        self.size_reason = f"the tokenizer's stride is {stride}"
         self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(patch_size, stride, in_chans, embed_dim)
@@ -142,15 +143,6 @@ class BiXT(Backbone):
             elif isinstance(m, nn.Conv2d):
                 lecun_normal_(m.weight)
                 nn.init.zeros_(m.bias)
-
-    def check_input(self, x: Tensor) -> None:
-        """ValueError naming the size when a side is not a multiple of the tokenizer's stride."""
-        try:
-            super().check_input(x)
-        except ValueError as err:
-            if x.ndim != 4:
-                raise
-            raise ValueError(f"{err}; the tokenizer's stride is {self.size_multiple}") from None
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute block activations in the backward pass: less memory for long token sequences."""

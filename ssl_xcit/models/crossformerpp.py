@@ -62,6 +62,7 @@ class CrossFormerPP(Backbone):
 
     family = "crossformerpp"
     size_multiple = 32  # four stages: stride 4, then three stride-2 merges
+    size_reason = "CrossFormer++ embeds at stride 4 and halves the map 3 times"
 
     def __init__(
         self,
@@ -120,15 +121,6 @@ class CrossFormerPP(Backbone):
         self._register_load_state_dict_pre_hook(_drop_size_bound_buffers)
         self.apply(_init_weights)
 
-    def check_input(self, x: Tensor) -> None:
-        """ValueError naming the size when a side is not a multiple of 32 (the total stride of the 4 stages)."""
-        try:
-            super().check_input(x)
-        except ValueError as err:
-            if x.ndim != 4:
-                raise
-            raise ValueError(f"{err}; CrossFormer++ embeds at stride 4 and halves the map 3 times") from None
-
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute block activations in the backward pass: less memory for high resolutions."""
         self.grad_checkpointing = enable
@@ -182,15 +174,8 @@ class CrossFormerPP(Backbone):
 
     # -------------------------------------------------------- evaluation access
     def _block_indices(self, n: int | Sequence[int]) -> list[int]:
-        total = sum(self.depths)
-        indices = list(range(total - n, total)) if isinstance(n, int) else [int(i) for i in n]
-        bad = [i for i in indices if not -total <= i < total]
-        if bad or not indices:
-            raise ValueError(
-                f"block indices {bad or indices} are out of range for {self.name} with {total} blocks "
-                f"(stages of {list(self.depths)} blocks, indexed globally)"
-            )
-        return sorted(i % total for i in indices)
+        detail = f" (stages of {list(self.depths)} blocks, indexed globally)"
+        return super()._block_indices(n, sum(self.depths), detail)
 
     def _intermediates(self, x: Tensor, n: int | Sequence[int]) -> list[tuple[int, Tensor]]:
         wanted = self._block_indices(n)

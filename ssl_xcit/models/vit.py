@@ -84,15 +84,6 @@ class TimmViT(Backbone, VisionTransformer):
         """Final-norm patch tokens (B, N, C) (prefix tokens removed) and their grid."""
         return self.forward_features(x)[:, self.num_prefix_tokens :], self._grid(x)
 
-    def _block_indices(self, n: int | Sequence[int]) -> list[int]:
-        indices = list(range(self.depth - n, self.depth)) if isinstance(n, int) else [int(i) for i in n]
-        bad = [i for i in indices if not -self.depth <= i < self.depth]
-        if bad or not indices:
-            raise ValueError(
-                f"block indices {bad or indices} are out of range for {self.name} with {self.depth} blocks"
-            )
-        return sorted(i % self.depth for i in indices)
-
     def _block_outputs(self, x: Tensor, n: int | Sequence[int]) -> list[Tensor]:
         wanted = self._block_indices(n)
         x = self._tokens(x)

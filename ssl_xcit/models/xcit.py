@@ -188,15 +188,6 @@ class XCiT(Backbone):
         return self.forward_head(self.forward_features(x))
 
     # -------------------------------------------------------- evaluation access
-    def _block_indices(self, n: int | Sequence[int]) -> list[int]:
-        indices = list(range(self.depth - n, self.depth)) if isinstance(n, int) else [int(i) for i in n]
-        bad = [i for i in indices if not -self.depth <= i < self.depth]
-        if bad or not indices:
-            raise ValueError(
-                f"block indices {bad or indices} are out of range for {self.name} with {self.depth} blocks"
-            )
-        return sorted(i % self.depth for i in indices)
-
     def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
         """Patch tokens (B, N, C) output by the chosen XCA blocks: the last ``n`` if an int, else those indices."""
         wanted = self._block_indices(n)
