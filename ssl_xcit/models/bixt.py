@@ -185,24 +185,15 @@ class BiXT(Backbone):
         return self.blocks[-1].cross_attention_latents_token.norm1_pat(pat), grid
 
     # -------------------------------------------------------- evaluation access
-    def _indices(self, n: int | Sequence[int], count: int, what: str) -> list[int]:
-        indices = list(range(count - n, count)) if isinstance(n, int) else [int(i) for i in n]
-        bad = [i for i in indices if not -count <= i < count]
-        if bad or not indices:
-            raise ValueError(
-                f"{what} indices {bad or indices} are out of range for {self.name}: 0 .. {count - 1}"
-            )
-        return sorted(i % count for i in indices)
-
     def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
         """Tokens (B, N, D) after chosen bi-directional layers (0 .. depth - 2; the last layer leaves tokens as
         they are), without a norm."""
-        wanted = self._indices(n, self.depth - 1, "bi-directional layer")
+        wanted = self._block_indices(n, self.depth - 1, f" (bi-directional layers 0 .. {self.depth - 2})")
         return [pat for i, _, pat, _, _ in self._run(x, stop=wanted[-1]) if i in wanted]
 
     def get_intermediate_cls(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
         """``fc_norm`` of the mean latent (B, D) after chosen layers; the last one equals ``forward``."""
-        wanted = self._indices(n, self.depth, "layer")
+        wanted = self._block_indices(n, self.depth, f" (layers 0 .. {self.depth - 1})")
         return [
             self.fc_norm(lat.mean(dim=1)) for i, lat, _, _, _ in self._run(x, stop=wanted[-1]) if i in wanted
         ]

@@ -176,7 +176,9 @@ def test_intermediate_cls_and_attention_maps():
     for m in maps:  # mean over latents of softmaxes over tokens: a distribution over the grid per head
         assert m.shape == (2, 2, 20)
         torch.testing.assert_close(m.sum(-1), torch.ones(2, 2))
-    with pytest.raises(ValueError, match=r"out of range for bixt_tiny_test: 0 \.\. 1"):
+    with pytest.raises(
+        ValueError, match=r"out of range for bixt_tiny_test with 2 blocks \(bi-directional layers 0 \.\. 1\)"
+    ):
         model.get_intermediate_layers(x, [2])
 
 
