@@ -19,10 +19,7 @@ fp16 grad scaler has unscaled the gradients, so the clip threshold is in true gr
 
 from __future__ import annotations
 
-import contextlib
 import math
-import random
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,11 +27,11 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 
 from ssl_xcit.data.datasets import EmptyBatch
 from ssl_xcit.dino.head import DINOHead
 from ssl_xcit.dino.loss import DINOLoss
+from ssl_xcit.dino.multicrop import MultiCropWrapper, buffers_preserved, crops_from_batch
 from ssl_xcit.dino.optim import (
     build_optimizer,
     cancel_gradients_last_layer,
@@ -44,62 +41,9 @@ from ssl_xcit.dino.optim import (
 from ssl_xcit.dino.schedules import cosine_schedule, scaled_lr
 from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
 from ssl_xcit.models import create_model
+from ssl_xcit.utils.rng import capture_rng_states, restore_rng_states
 
 NUM_GLOBAL_CROPS = 2
-
-
-class MultiCropWrapper(nn.Module):
-    """Backbone + head over a list of crops. Consecutive crops of the same resolution are concatenated and go
-    through the backbone in one call (2 calls for 2 global + N local crops); the head then runs once on all
-    embeddings. Output rows are view-major: [view0 batch, view1 batch, ...]."""
-
-    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.head = head
-
-    def forward(self, crops: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-        if isinstance(crops, torch.Tensor):
-            crops = [crops]
-        embeddings = []
-        start = 0
-        while start < len(crops):
-            end = start + 1
-            while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
-                end += 1
-            embeddings.append(self.backbone(torch.cat(list(crops[start:end]))))
-            start = end
-        return self.head(torch.cat(embeddings))
-
-
-@contextlib.contextmanager
-def _buffers_preserved(module: nn.Module) -> Iterator[None]:
-    """Restore ``module``'s buffers (BN running statistics) on exit: validation forwards in train mode must
-    not leak validation images into the teacher's statistics."""
-    saved = [b.detach().clone() for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buf, old in zip(module.buffers(), saved, strict=True):
-                buf.copy_(old)
-
-
-def _crops_from_batch(batch: Any) -> list[torch.Tensor]:
-    """The list of crop tensors of a batch: ``(crops, labels, indices)`` from the DINO datamodule, or a bare
-    list of crops."""
-    if isinstance(batch, dict):
-        batch = batch.get("crops", batch.get("images"))
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (list, tuple)):
-        batch = batch[0]
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if not isinstance(batch, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in batch):
-        raise TypeError(
-            f"DINO expects a batch (crops, labels, indices) with crops a list of (B, 3, H, W) tensors, "
-            f"got {type(batch).__name__}"
-        )
-    return list(batch)
 
 
 class DINO(LightningModule):
@@ -370,7 +314,7 @@ class DINO(LightningModule):
             if window_end:
                 self._optimizer_step(opt, momentum)
             return None
-        crops = _crops_from_batch(batch)
+        crops = crops_from_batch(batch)
         if len(crops) < NUM_GLOBAL_CROPS:
             raise ValueError(
                 f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
@@ -457,10 +401,10 @@ class DINO(LightningModule):
         untouched). Single-view batches (an evaluation transform) have no loss and are skipped."""
         if batch is None:
             return None
-        crops = _crops_from_batch(batch)
+        crops = crops_from_batch(batch)
         if len(crops) < NUM_GLOBAL_CROPS + 1:
             return None
-        with torch.no_grad(), _buffers_preserved(self.teacher):
+        with torch.no_grad(), buffers_preserved(self.teacher):
             teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
             student_output = self.student(crops)
             out = self.dino_loss(student_output, teacher_output, self.trained_epoch, update_center=False)
@@ -489,37 +433,10 @@ class DINO(LightningModule):
     # ------------------------------------------------------------------------------------- checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one.
-        # Stored as tensors and plain Python values so `torch.load(weights_only=True)` accepts them.
-        np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-        py_version, py_state, py_gauss = random.getstate()
-        checkpoint["rng_states"] = {
-            "torch": torch.get_rng_state(),
-            "numpy": [
-                np_kind,
-                torch.from_numpy(np_keys.astype(np.int64)),
-                int(np_pos),
-                int(np_has_gauss),
-                float(np_gauss),
-            ],
-            "python": [py_version, list(py_state), py_gauss],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
+        checkpoint["rng_states"] = capture_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
         # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
         self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
-        state = checkpoint.get("rng_states")
-        if not state:
-            return
-        torch.set_rng_state(state["torch"])
-        np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
-        np.random.set_state((np_kind, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
-        py_version, py_state, py_gauss = state["python"]
-        random.setstate((py_version, tuple(py_state), py_gauss))
-        if (
-            state.get("cuda")
-            and torch.cuda.is_available()
-            and len(state["cuda"]) == torch.cuda.device_count()
-        ):
-            torch.cuda.set_rng_state_all(state["cuda"])
+        restore_rng_states(checkpoint.get("rng_states"))
