@@ -19,8 +19,9 @@ gradient clipping, and the evaluation: DINO's weighted k-NN (k 20, T 0.07) on th
 embedding with the datamodule's eval transform.
 
 Where lightly differs or lacks a feature (printed with the results):
-- ``DINOLoss`` has only ``center_mode="mean"`` (EMA centring); no Sinkhorn-Knopp. A recipe with
-  ``centering: sinkhorn_knopp`` is run for ours twice: as in the recipe and with ``ema`` (lightly's setting).
+- ``DINOLoss`` has only ``center_mode="mean"`` (EMA centring); no Sinkhorn-Knopp, and the DINO example has no
+  KoLeo term. A recipe with ``centering: sinkhorn_knopp`` or ``koleo_weight > 0`` is run for ours twice: as in
+  the recipe, and with ``ema`` and no KoLeo (exactly lightly's feature set).
 - ``DINOProjectionHead`` is fixed at 3 layers (head_nlayers must be 3), and its hidden Linear layers have no
   bias when BatchNorm follows (a bias before BN is cancelled by it; the start weights are otherwise equal).
 - ``DINOTransform`` cannot solarize the first global crop or the local crops, and its second global crop
@@ -86,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 HP_KEYS = (
     "backbone", "backbone_kwargs", "drop_path_rate", "out_dim", "head_hidden_dim", "head_bottleneck_dim",
     "head_nlayers", "use_bn_in_head", "norm_last_layer", "warmup_teacher_temp", "teacher_temp",
-    "warmup_teacher_temp_epochs", "student_temp", "center_momentum", "centering", "momentum_teacher", "lr",
+    "warmup_teacher_temp_epochs", "student_temp", "center_momentum", "centering", "koleo_weight", "momentum_teacher", "lr",
     "min_lr", "warmup_epochs", "weight_decay", "weight_decay_end", "clip_grad", "freeze_last_layer",
 )  # fmt: skip
 CROP_KEYS = (
@@ -254,6 +255,7 @@ def lightly_hparams(student: nn.Module, loss: nn.Module, transform, hp: dict[str
         "student_temp": loss.student_temp,
         "center_momentum": loss.center_momentum,
         "centering": "ema",  # lightly's only mode ("mean")
+        "koleo_weight": 0.0,  # lightly's DINO example has no KoLeo term
         "freeze_last_layer": head.freeze_last_layer,
         "global_crops_size": crop0.size[0],
         "global_crops_scale": tuple(crop0.scale),
@@ -435,8 +437,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # Ours: the recipe's setting, then (if it differs) the centring lightly has.
     variants = [("ours", {})]
-    if hp["centering"] != "ema":
-        variants.append(("ours centering=ema", {"centering": "ema"}))
+    lightly_like = {"centering": "ema", "koleo_weight": 0.0}
+    if any(hp[k] != v for k, v in lightly_like.items()):
+        variants.append(("ours as lightly (ema, no KoLeo)", lightly_like))
     for name, override in variants:
         L.seed_everything(args.seed, verbose=False)
         model = DINO(**{**model_kw, **override})

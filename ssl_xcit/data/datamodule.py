@@ -63,6 +63,9 @@ class DINODataModule(L.LightningDataModule):
             (the built-in shapes) views can otherwise be matched by colour alone.
         color_jitter_prob: Probability of applying the colour jitter (DINO: 0.8).
         grayscale_prob: Probability of converting a crop to grayscale (DINO: 0.2).
+        blur_radius: Range of the Gaussian blur's sigma in pixels of the crop (DINO: 0.1 to 2.0 for 224-px
+            crops). On small crops the same sigma blurs away far more of the image: scale it with the crop
+            (x 64/224 for 64-px crops).
         knn_bank_limit: Keep at most this many bank images (deterministic stratified subsample) so the online
             k-NN stays cheap on large labelled sets; None keeps all.
     """
@@ -90,6 +93,7 @@ class DINODataModule(L.LightningDataModule):
         color_jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.2, 0.1),
         color_jitter_prob: float = 0.8,
         grayscale_prob: float = 0.2,
+        blur_radius: tuple[float, float] = (0.1, 2.0),
         eval_resize: int = 256,
         eval_crop: int = 224,
         verify_images: bool = False,
@@ -126,6 +130,7 @@ class DINODataModule(L.LightningDataModule):
             color_jitter=color_jitter,
             color_jitter_prob=color_jitter_prob,
             grayscale_prob=grayscale_prob,
+            blur_radius=blur_radius,
         )
         self.eval_transform = eval_transform(eval_resize, eval_crop)
         self.train_dataset: ImageDataset | None = None

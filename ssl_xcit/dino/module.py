@@ -30,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.data.datasets import EmptyBatch
 from ssl_xcit.dino.head import DINOHead
+from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.loss import DINOLoss
 from ssl_xcit.dino.multicrop import MultiCropWrapper, buffers_preserved, crops_from_batch
 from ssl_xcit.dino.optim import (
@@ -87,6 +88,9 @@ class DINO(LightningModule):
         collapse_guard: ``warn`` once, or ``stop`` the run, when the teacher holds a collapse mode for
             ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.dino.collapse``);
             ``off`` disables it.
+        koleo_weight: weight of DINOv2's KoLeo regulariser on the student's global-crop embeddings (0 = off,
+            as in DINO; DINOv2 uses 0.1). It spreads the batch apart, which small data needs to escape the
+            uniform collapse (``ssl_xcit.dino.koleo``).
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class DINO(LightningModule):
         collapse_guard: Literal["warn", "stop", "off"] = "warn",
         collapse_patience: int = 50,
         collapse_grace_steps: int = 100,
+        koleo_weight: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -130,6 +135,8 @@ class DINO(LightningModule):
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         if teacher_temp <= 0 or warmup_teacher_temp <= 0 or student_temp <= 0:
             raise ValueError("temperatures must be > 0")
+        if not koleo_weight >= 0:
+            raise ValueError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {koleo_weight!r}")
 
         kwargs = dict(backbone_kwargs or {})
         student_backbone = create_model(backbone, drop_path_rate=drop_path_rate, **kwargs)
@@ -326,18 +333,25 @@ class DINO(LightningModule):
 
         with torch.no_grad():
             teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
-        student_output = self.student(crops)
+        student_output, student_embedding = self.student(crops, return_embeddings=True)
         out = self.dino_loss(student_output, teacher_output, self.current_epoch)
-        self._check_finite(out.loss)
+        loss = out.loss
+        batch_size = crops[0].shape[0]
+        if self.hparams.koleo_weight > 0:
+            # Per global crop, as in DINOv2: each view's batch is spread on its own.
+            globals_ = student_embedding[: NUM_GLOBAL_CROPS * batch_size].chunk(NUM_GLOBAL_CROPS)
+            koleo = sum(koleo_loss(view) for view in globals_)
+            loss = loss + self.hparams.koleo_weight * koleo
+            self.log("train/koleo", koleo.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
+        self._check_finite(loss)
 
-        self.manual_backward(out.loss / accumulate)
+        self.manual_backward(loss / accumulate)
         if window_end:
             self._optimizer_step(opt, momentum)
 
-        batch_size = crops[0].shape[0]
         log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
         self.log(
-            "train/loss", out.loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=batch_size
+            "train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=batch_size
         )
         self.log("train/lr", lr, **log)
         self.log("train/wd", wd, **log)
@@ -346,7 +360,7 @@ class DINO(LightningModule):
         self.last_collapse_signals = (float(out.teacher_entropy), float(out.kl_to_uniform))
         self.log("train/teacher_entropy", out.teacher_entropy, **log)
         self.log("train/kl_to_uniform", out.kl_to_uniform, **log)
-        return out.loss.detach()
+        return loss.detach()
 
     def _optimizer_step(self, opt: Any, momentum: float) -> None:
         """Step (-> ``on_before_optimizer_step``: clipping, last-layer freeze), clear, EMA. Nothing happens

@@ -13,14 +13,17 @@ from torch import nn
 class MultiCropWrapper(nn.Module):
     """Backbone + head over a list of crops. Consecutive crops of the same resolution are concatenated and go
     through the backbone in one call (2 calls for 2 global + N local crops); the head then runs once on all
-    embeddings. Output rows are view-major: [view0 batch, view1 batch, ...]."""
+    embeddings. Output rows are view-major: [view0 batch, view1 batch, ...]. ``return_embeddings`` also
+    returns the backbone embeddings (same row order), for regularisers on the backbone output (KoLeo)."""
 
     def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
 
-    def forward(self, crops: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, crops: torch.Tensor | Sequence[torch.Tensor], return_embeddings: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if isinstance(crops, torch.Tensor):
             crops = [crops]
         embeddings = []
@@ -31,7 +34,9 @@ class MultiCropWrapper(nn.Module):
                 end += 1
             embeddings.append(self.backbone(torch.cat(list(crops[start:end]))))
             start = end
-        return self.head(torch.cat(embeddings))
+        embedding = torch.cat(embeddings)
+        output = self.head(embedding)
+        return (output, embedding) if return_embeddings else output
 
 
 @contextlib.contextmanager

@@ -187,3 +187,21 @@ def test_verify_images_count_is_the_readable_one(tmp_path, caplog):
         dm.setup("fit")
     assert "verify_images: 2 of 16 training images are unreadable" in caplog.text
     assert "DINO data: 14 training images (2 classes; 2 unreadable skipped)" in caplog.text
+
+
+def test_blur_radius_reaches_every_crop_and_is_checked(tmp_path):
+    root = str(make_tree(tmp_path / "data"))
+    dm = DINODataModule(root=root, blur_radius=(0.03, 0.57), **SMALL_CROPS)
+    assert dm.train_transform.config["blur_radius"] == (0.03, 0.57)
+    pipelines = [*dm.train_transform.global_transforms, dm.train_transform.local_transform]
+    blurs = [t for p in pipelines for t in _flatten(p) if type(t).__name__ == "GaussianBlur"]
+    assert len(blurs) == 3 and all(b.radius == (0.03, 0.57) for b in blurs)  # 2 global + the local pipeline
+    with pytest.raises(ValueError, match=r"blur radius must be \(min, max\).*\(2\.0, 0\.1\)"):
+        DINODataModule(root=root, blur_radius=(2.0, 0.1), **SMALL_CROPS)
+
+
+def _flatten(transform):
+    inner = getattr(transform, "transforms", None)
+    if inner is None:
+        return [transform]
+    return [t for child in inner for t in _flatten(child)]
