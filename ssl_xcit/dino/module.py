@@ -4,7 +4,8 @@ One training step, top to bottom (``main_dino.py:train_one_epoch``):
 
 1. set lr (all groups) and weight decay (group 0 only) from the per-iteration schedules at ``global_step``;
 2. teacher forward on the 2 global crops (no grad, train mode), student forward on all crops, batched
-   by resolution (one backbone pass per crop size), DINO loss (+ centre update);
+   by resolution (one backbone pass per crop size), DINO loss (+ centre update), plus ``koleo_weight`` x
+   DINOv2's KoLeo term on the student's global-crop embeddings when that weight is > 0;
 3. stop with a clear error on a NaN/Inf loss;
 4. backward; per-parameter gradient clipping; last-layer gradients dropped while epoch < freeze_last_layer;
    optimiser step;

@@ -16,17 +16,9 @@ import yaml
 
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.dino.module import DINO
-from ssl_xcit.evaluation.embed import embed_dataset
-from ssl_xcit.evaluation.knn import knn_accuracy
+from tests.dino.test_learning_fast import knn_top1
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _knn_top1(backbone: torch.nn.Module, bank_ds, query_ds) -> float:
-    bank, query = embed_dataset(backbone, bank_ds), embed_dataset(backbone, query_ds)
-    return knn_accuracy(bank["features"], bank["labels"], query["features"], query["labels"], ks=(20,))[20][
-        "top1"
-    ]
 
 
 @pytest.mark.slow
@@ -44,7 +36,7 @@ def test_four_epochs_of_dino_beat_random_init_on_flowers(shared_data, tmp_path):
     model = DINO(**{**recipe, "lr": 0.004, "momentum_teacher": 0.99})
     initial = {k: v.clone() for k, v in model.teacher.backbone.state_dict().items()}
     model.teacher.backbone.eval()  # the old pitfall: this used to persist through fit
-    random_init = _knn_top1(model.teacher.backbone, bank_ds, query_ds)
+    random_init = knn_top1(model.teacher.backbone, bank_ds, query_ds)
     trainer = L.Trainer(
         max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
@@ -52,7 +44,7 @@ def test_four_epochs_of_dino_beat_random_init_on_flowers(shared_data, tmp_path):
     trainer.fit(model, dm)
     moved = sum(not torch.equal(v, initial[k]) for k, v in model.teacher.backbone.state_dict().items())
     assert moved > 10  # the evaluated teacher is the trained one
-    learned = _knn_top1(model.teacher.backbone, bank_ds, query_ds)
+    learned = knn_top1(model.teacher.backbone, bank_ds, query_ds)
     # 864 held-out queries (one standard error ~1.7 points). Measured with these settings (benchmarks/learning.py,
     # f5_p8_lr004_m99_e4): 56.4 % against 45.1 % at random init and 39.7 % for raw pixels.
     assert learned >= random_init + 8.0, (learned, random_init)
