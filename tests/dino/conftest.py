@@ -81,3 +81,17 @@ def tiny():
         loader = staticmethod(tiny_loader)
 
     return _Tiny
+
+
+@pytest.fixture
+def knn_top1():
+    """``knn_top1(backbone, bank_dataset, query_dataset)``: DINO's weighted k-NN top-1 (k 20, T 0.07) in %."""
+    from ssl_xcit.evaluation.embed import embed_dataset
+    from ssl_xcit.evaluation.knn import knn_accuracy
+
+    def top1(backbone: torch.nn.Module, bank_ds, query_ds) -> float:
+        bank, query = embed_dataset(backbone, bank_ds), embed_dataset(backbone, query_ds)
+        scores = knn_accuracy(bank["features"], bank["labels"], query["features"], query["labels"], ks=(20,))
+        return scores[20]["top1"]
+
+    return top1

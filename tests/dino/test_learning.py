@@ -16,13 +16,12 @@ import yaml
 
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.dino.module import DINO
-from tests.dino.test_learning_fast import knn_top1
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_four_epochs_of_dino_beat_random_init_on_flowers(shared_data, tmp_path):
+def test_four_epochs_of_dino_beat_random_init_on_flowers(shared_data, tmp_path, knn_top1):
     dm = DINODataModule(
         root=str(shared_data / "flowers5"), val_fraction=0.2, batch_size=32, num_workers=1,
         global_crops_size=64, local_crops_number=4, local_crops_size=32, local_crops_scale=(0.1, 0.4),

@@ -12,14 +12,11 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 import yaml
 
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.dino.module import DINO
-from ssl_xcit.evaluation.embed import embed_dataset
-from ssl_xcit.evaluation.knn import knn_accuracy
 
 REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 2
@@ -30,17 +27,10 @@ BATCHES = 20  # per epoch, of 32 images
 MARGIN = 10.0  # points of k-NN top-1 on the 500 held-out images
 
 
-def knn_top1(backbone: torch.nn.Module, bank_ds, query_ds) -> float:
-    bank, query = embed_dataset(backbone, bank_ds), embed_dataset(backbone, query_ds)
-    return knn_accuracy(bank["features"], bank["labels"], query["features"], query["labels"], ks=(20,))[20][
-        "top1"
-    ]
-
-
 @pytest.mark.parametrize(
     "seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
 )
-def test_quickstart_settings_learn_within_a_few_dozen_steps(tmp_path, seed):
+def test_quickstart_settings_learn_within_a_few_dozen_steps(tmp_path, seed, knn_top1):
     recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())["model"]["init_args"]
     root = ensure_synthetic_dataset()  # the default set (cached for the session): 2,000 bank + 500 queries
     dm = DINODataModule(
