@@ -46,6 +46,29 @@ class RandomCrops(Dataset):
         return crops, label, i
 
 
+class Recorder(L.Callback):
+    """Per-step loss and centre; the last-layer weights at each epoch's start and end."""
+
+    def __init__(self, stop_after_epoch: int | None = None) -> None:
+        self.losses, self.last_layer = [], {}
+        self.stop_after_epoch = stop_after_epoch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.last_layer[("start", trainer.current_epoch)] = (
+            pl_module.student.head.last_layer.weight_v.detach().clone()
+        )
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.last_layer[("end", trainer.current_epoch)] = (
+            pl_module.student.head.last_layer.weight_v.detach().clone()
+        )
+        if self.stop_after_epoch is not None and trainer.current_epoch == self.stop_after_epoch:
+            trainer.should_stop = True
+
+
 def tiny_model(**overrides) -> DINO:
     return DINO(**{**TINY, **overrides})
 
@@ -73,9 +96,11 @@ def tiny_loader(n: int = 16, batch_size: int = 4, shuffle: bool = True, noise: b
 
 @pytest.fixture
 def tiny():
-    """Factories: ``tiny.model(**overrides)``, ``tiny.trainer(tmp_path, ...)``, ``tiny.loader(...)``."""
+    """Factories: ``tiny.model(**overrides)``, ``tiny.trainer(tmp_path, ...)``, ``tiny.loader(...)``; the
+    ``tiny.Recorder`` callback (per-step losses, last-layer weights per epoch)."""
 
     class _Tiny:
+        Recorder = Recorder
         model = staticmethod(tiny_model)
         trainer = staticmethod(tiny_trainer)
         loader = staticmethod(tiny_loader)

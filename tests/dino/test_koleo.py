@@ -50,16 +50,6 @@ def test_koleo_rejects_a_single_row():
         koleo_loss(torch.ones(1, 4))
 
 
-class FirstLoss(L.Callback):
-    """The loss the first training step returned."""
-
-    loss: float | None = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.loss is None:
-            self.loss = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
-
-
 def test_dino_step_adds_weighted_koleo_of_student_global_embeddings(tiny, tmp_path):
     """First-step loss with koleo_weight w minus the one without = w * sum over the 2 global crops of KoLeo of
     the student backbone's embeddings (no drop path, so both runs see the same student)."""
@@ -75,10 +65,10 @@ def test_dino_step_adds_weighted_koleo_of_student_global_embeddings(tiny, tmp_pa
                 embedding = model.student.backbone(torch.cat(batch[0][:2]))
                 expected = sum(koleo_loss(view) for view in embedding.chunk(2))
         trainer = tiny.trainer(tmp_path / str(weight), max_epochs=1, limit_train_batches=1)
-        rec = FirstLoss()
+        rec = tiny.Recorder()
         trainer.callbacks.append(rec)
         trainer.fit(model, tiny.loader(n=8, batch_size=8, shuffle=False, noise=False))
-        losses[weight] = rec.loss
+        losses[weight] = rec.losses[0]
     assert losses[0.3] - losses[0.0] == pytest.approx(0.3 * float(expected), rel=1e-4, abs=1e-5)
 
 

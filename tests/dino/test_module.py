@@ -10,29 +10,6 @@ import torch
 from ssl_xcit.dino.checkpointing import AtomicCheckpointIO
 
 
-class Recorder(L.Callback):
-    """Per-step loss and centre; the last-layer weights at each epoch's start and end."""
-
-    def __init__(self, stop_after_epoch: int | None = None) -> None:
-        self.losses, self.last_layer = [], {}
-        self.stop_after_epoch = stop_after_epoch
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        self.last_layer[("start", trainer.current_epoch)] = (
-            pl_module.student.head.last_layer.weight_v.detach().clone()
-        )
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        self.last_layer[("end", trainer.current_epoch)] = (
-            pl_module.student.head.last_layer.weight_v.detach().clone()
-        )
-        if self.stop_after_epoch is not None and trainer.current_epoch == self.stop_after_epoch:
-            trainer.should_stop = True
-
-
 def _fit(tiny, tmp_path, callbacks=(), ckpt_path=None, max_epochs=2, **model_kw):
     L.seed_everything(0)
     model = tiny.model(**model_kw)
@@ -42,7 +19,7 @@ def _fit(tiny, tmp_path, callbacks=(), ckpt_path=None, max_epochs=2, **model_kw)
 
 
 def test_resume_at_epoch_boundary_is_exact_and_last_layer_frozen_in_epoch_0(tiny, tmp_path):
-    rec = Recorder()
+    rec = tiny.Recorder()
     full, trainer = _fit(tiny, tmp_path / "full", [rec])
     assert trainer.global_step == 8
     # last layer: untouched during epoch 0 (freeze_last_layer=1), updated in epoch 1
@@ -51,7 +28,7 @@ def test_resume_at_epoch_boundary_is_exact_and_last_layer_frozen_in_epoch_0(tiny
     # the rest of the student did change in epoch 0
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
 
-    _fit(tiny, tmp_path / "resumed", [Recorder(stop_after_epoch=0)])
+    _fit(tiny, tmp_path / "resumed", [tiny.Recorder(stop_after_epoch=0)])
     last = tmp_path / "resumed" / "ckpt" / "last.ckpt"
     assert torch.load(last, weights_only=True)["epoch"] == 0
     resumed, trainer2 = _fit(tiny, tmp_path / "resumed", ckpt_path=str(last))
@@ -66,7 +43,7 @@ def test_resume_at_epoch_boundary_is_exact_and_last_layer_frozen_in_epoch_0(tiny
 
 
 def test_a_few_steps_reduce_the_loss(tiny, tmp_path):
-    rec = Recorder()
+    rec = tiny.Recorder()
     # One fixed batch, seen over and over: the student must move towards the (slow) teacher.
     L.seed_everything(0)
     model = tiny.model(
