@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ssl_xcit.cli.quiet import install_filters
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.data.datasets import ImageDataset, collate_skip_none, collate_train
 from ssl_xcit.dino.module import DINO
@@ -416,6 +417,7 @@ def prepare(args: argparse.Namespace) -> tuple[dict, dict, int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    install_filters()  # the same quiet console as `ssl-xcit fit`
     torch.set_num_threads(args.threads)
     model_kw, data_kw, epochs = prepare(args)
     dm = DINODataModule(**data_kw)

@@ -29,6 +29,7 @@ import torch
 import yaml
 from torch import nn
 
+from ssl_xcit.cli.quiet import install_filters
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.dino.callbacks import OnlineKNN
 from ssl_xcit.dino.module import DINO
@@ -120,6 +121,7 @@ class Signals(L.Callback):
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    install_filters()  # the same quiet console as `ssl-xcit fit`
     if args.threads:
         torch.set_num_threads(args.threads)
     model_kw, data_kw, epochs = settings(args)
