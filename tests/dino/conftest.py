@@ -47,7 +47,7 @@ class RandomCrops(Dataset):
 
 
 class Recorder(L.Callback):
-    """Per-step loss and centre; the last-layer weights at each epoch's start and end."""
+    """Per-step loss; the last-layer weights at each epoch's start and end."""
 
     def __init__(self, stop_after_epoch: int | None = None) -> None:
         self.losses, self.last_layer = [], {}
