@@ -181,12 +181,10 @@ class DINO(LightningModule):
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
 
     # ----------------------------------------------------------------------------------------- mode, setup
-    def train(self, mode: bool = True) -> DINO:
-        """The teacher always runs in train mode (batch statistics in its BatchNorms), as in the reference,
-        whatever Lightning toggles; evaluation code puts ``teacher.backbone`` in eval mode itself."""
-        super().train(mode)
-        self.teacher.train(True)
-        return self
+    # `train()`/`eval()` are nn.Module's: `eval()` puts student and teacher in eval mode, so `forward` (the
+    # exported network) uses BatchNorm running statistics, embeds each image independently of its batch and
+    # never moves those statistics. Training puts both back in train mode itself (`_set_training_modes`), the
+    # teacher included: in the reference its BatchNorms use batch statistics while training.
 
     def _set_training_modes(self) -> None:
         """Student and teacher in train mode, every submodule included. Lightning 2.6 no longer calls
@@ -273,7 +271,13 @@ class DINO(LightningModule):
         batches = trainer.num_training_batches
         if not math.isfinite(batches) or batches < 1:
             raise ValueError(f"DINO needs a sized training dataloader, got {batches} batches per epoch")
-        iters = max(int(batches) // hp.accumulate_grad_batches, 1)
+        if batches < hp.accumulate_grad_batches:
+            raise ValueError(
+                f"accumulate_grad_batches={hp.accumulate_grad_batches} is more than the {int(batches)} training "
+                f"batches per epoch, so no optimiser step would ever run; use accumulate_grad_batches <= "
+                f"{int(batches)}, or a smaller batch_size"
+            )
+        iters = int(batches) // hp.accumulate_grad_batches
         self._iters_per_epoch = iters
         if hp.warmup_epochs > epochs:
             raise ValueError(f"warmup_epochs={hp.warmup_epochs} is longer than trainer.max_epochs={epochs}")
@@ -295,7 +299,8 @@ class DINO(LightningModule):
 
     # ------------------------------------------------------------------------------------------- training
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Teacher backbone embedding (the network one exports and evaluates)."""
+        """Teacher backbone embedding (the network one exports and evaluates). After ``eval()`` each image's
+        embedding is independent of the rest of its batch."""
         return self.teacher.backbone(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
