@@ -344,9 +344,14 @@ class DINO(LightningModule):
         loss = out.loss
         batch_size = crops[0].shape[0]
         if self.hparams.koleo_weight > 0:
-            # Per global crop, as in DINOv2: each view's batch is spread on its own.
+            # Per global crop and per rank, as in DINOv2: each view's local batch is spread on its own. A rank
+            # left with one readable image has no neighbour to push from: its term is 0 (no collective is
+            # involved, so the other ranks are unaffected and nobody waits).
             globals_ = student_embedding[: NUM_GLOBAL_CROPS * batch_size].chunk(NUM_GLOBAL_CROPS)
-            koleo = sum(koleo_loss(view) for view in globals_)
+            if batch_size >= 2:
+                koleo = sum(koleo_loss(view) for view in globals_)
+            else:
+                koleo = student_embedding.new_zeros((), dtype=torch.float32)
             loss = loss + self.hparams.koleo_weight * koleo
             self.log("train/koleo", koleo.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
         self._check_finite(loss)
@@ -418,11 +423,13 @@ class DINO(LightningModule):
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         """DINO loss on held-out multi-crop batches (student in eval mode; centre and teacher statistics
-        untouched). Single-view batches (an evaluation transform) have no loss and are skipped."""
-        if batch is None:
-            return None
-        crops = crops_from_batch(batch)
-        if len(crops) < NUM_GLOBAL_CROPS + 1:
+        untouched). Single-view batches (an evaluation transform) have no loss and are skipped, as are
+        batches with no readable image. The ranks skip together, as in training: the Sinkhorn-Knopp
+        centring all-reduces, and a rank that skipped alone would pair its next batch's collectives with
+        another rank's current ones."""
+        empty = batch is None or isinstance(batch, EmptyBatch)
+        crops = [] if empty else crops_from_batch(batch)
+        if self.trainer.strategy.reduce_boolean_decision(len(crops) < NUM_GLOBAL_CROPS + 1, all=False):
             return None
         with torch.no_grad(), buffers_preserved(self.teacher):
             teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
