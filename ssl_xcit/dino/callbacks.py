@@ -125,7 +125,11 @@ class OnlineKNN(Callback):
         return self._datasets
 
     def _features(
-        self, trainer: Trainer, backbone: torch.nn.Module, dataset: Dataset, device: torch.device
+        self,
+        backbone: torch.nn.Module,
+        dataset: Dataset,
+        device: torch.device,
+        trainer: Trainer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, labels) of the readable images of ``dataset``, in order, on every rank. Under DDP each
         rank embeds one contiguous share and the shares are all-gathered: the work is split, nobody waits
@@ -161,8 +165,8 @@ class OnlineKNN(Callback):
             step = len(train) / self.max_train_samples
             train = torch.utils.data.Subset(train, [int(i * step) for i in range(self.max_train_samples)])
         backbone = pl_module.teacher.backbone
-        train_f, train_y = self._features(trainer, backbone, train, pl_module.device)
-        val_f, val_y = self._features(trainer, backbone, val, pl_module.device)
+        train_f, train_y = self._features(backbone, train, pl_module.device, trainer)
+        val_f, val_y = self._features(backbone, val, pl_module.device, trainer)
         scores = weighted_knn(train_f, train_y, val_f, ks=(self.k,), temperature=self.temperature)[self.k]
         top1 = 100.0 * float((scores.argmax(dim=1) == val_y).float().mean())
         # Under `validate` the trainer's counters are 0; the module knows the checkpoint's epoch and step.
@@ -179,8 +183,8 @@ class OnlineKNN(Callback):
         if top1 is None:
             return
         # Every rank holds the same value, so every rank logs it (a ModelCheckpoint monitoring knn/top1 then
-        # decides the same everywhere).
-        kw = dict(on_step=False, on_epoch=True)
+        # decides the same everywhere); the mean over ranks of equal numbers is that number.
+        kw = dict(on_step=False, on_epoch=True, sync_dist=True)
         pl_module.log("knn/top1", top1, prog_bar=True, **kw)
         pl_module.log("knn/k", float(self.k), **kw)
         pl_module.log("knn/temperature", float(self.temperature), **kw)

@@ -422,8 +422,8 @@ class DINO(LightningModule):
 
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        """DINO loss on held-out multi-crop batches (student in eval mode; centre and teacher statistics
-        untouched). Single-view batches (an evaluation transform) have no loss and are skipped, as are
+        """DINO loss on held-out multi-crop batches (student and teacher in eval mode; centre and teacher
+        statistics untouched). Single-view batches (an evaluation transform) have no loss and are skipped, as are
         batches with no readable image. The ranks skip together, as in training: the Sinkhorn-Knopp
         centring all-reduces, and a rank that skipped alone would pair its next batch's collectives with
         another rank's current ones."""
