@@ -21,6 +21,16 @@ def _shared_data_dir() -> Path:
     return Path(override) if override else REPO_ROOT.parent / "shared" / "data"
 
 
+# `timeout` in pyproject.toml bounds every default-suite test; the opt-in slow ones train for minutes.
+SLOW_TEST_TIMEOUT_S = 3600
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real photos and ground truth in ``../shared/data``; tests that need them skip when it is absent."""

@@ -5,13 +5,27 @@
 :func:`place_run` fills them in before the classes are built, so two runs never share a checkpoint folder and
 ``--ckpt_path last`` resolves to the newest run of that root, never to a file another run wrote.
 
-Under DDP the launching process picks the folder and hands it to the processes Lightning starts through
-``SSL_XCIT_RUN_DIR``; with an external launcher (torchrun, SLURM) pass ``--run_dir`` so every rank agrees.
+Every process of a run must use the same folder, and the folder is chosen before the process group exists:
+
+- processes Lightning starts itself (``strategy: ddp`` from one command) get the launching process's choice
+  through ``SSL_XCIT_RUN_DIR``;
+- under torchrun (detected by ``TORCHELASTIC_RUN_ID``) global rank 0 chooses and the others read its choice
+  from the launcher's own key-value store (the TCPStore torchrun serves at ``MASTER_ADDR:MASTER_PORT`` for
+  its workers), on any number of nodes;
+- under SLURM's ``srun`` (``SLURM_PROCID``, more than one task) rank 0 chooses and writes it to
+  ``<root>/.launches/<job>.<step>.<restart>``, which the other tasks wait for: ``default_root_dir`` must be
+  on a filesystem every node shares (as it must be for ``--ckpt_path``), or pass ``--run_dir``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +91,147 @@ def _init_args(entry: Any) -> Any | None:
     return getattr(entry, "init_args", None) if hasattr(entry, "class_path") else None
 
 
+# Seconds a rank waits for rank 0's choice (rank 0 may still be importing, or listing a slow filesystem).
+AGREE_TIMEOUT_S = float(os.environ.get("SSL_XCIT_RUN_DIR_TIMEOUT", "600"))
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """An external launcher that started this process as one of ``world_size``.
+
+    ``key`` names this launch, attempt included (a restarted torchrun group or a requeued SLURM job chooses
+    anew), so a choice is never read from an earlier launch.
+    """
+
+    name: str  # "torchrun" or "slurm"
+    rank: int
+    world_size: int
+    key: str
+
+
+def detect_launcher(env: Mapping[str, str] | None = None) -> Launcher | None:
+    """The external launcher of this process (torchrun, or SLURM's srun with several tasks), or None."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:  # torch.distributed.is_torchelastic_launched()
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"torchrun.{env['TORCHELASTIC_RUN_ID']}.{attempt}"
+        return Launcher("torchrun", int(env["RANK"]), int(env.get("WORLD_SIZE", "1")), key)
+    tasks = int(env.get("SLURM_NTASKS", "1") or "1")
+    # Lightning treats a job named bash/interactive as a shell it launches processes from (not srun tasks).
+    interactive = env.get("SLURM_JOB_NAME") in ("bash", "interactive")
+    if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env and tasks > 1 and not interactive:
+        step, restart = env.get("SLURM_STEP_ID", "0"), env.get("SLURM_RESTART_COUNT", "0")
+        key = f"slurm.{env['SLURM_JOB_ID']}.{step}.{restart}"
+        return Launcher("slurm", int(env["SLURM_PROCID"]), tasks, key)
+    return None
+
+
+def inherited_run_dir() -> str | None:
+    """The run folder the launching process chose, in a DDP process Lightning started (``LOCAL_RANK`` > 0
+    and ``SSL_XCIT_RUN_DIR`` set), else None. Under torchrun/SLURM every process is started alike and
+    :func:`place_run` has them agree instead."""
+    started_by_lightning = os.environ.get("LOCAL_RANK", "0") != "0" and detect_launcher() is None
+    return os.environ.get(RUN_DIR_ENV) if started_by_lightning else None
+
+
+def _safe_name(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", key)
+
+
+def agree(launcher: Launcher, root: Path, choose: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0 runs ``choose()`` (a JSON-able dict); every rank returns that dict. An error on rank 0 is raised
+    on every rank, so none waits for a choice that never comes."""
+    if launcher.rank == 0:
+        try:
+            choice = choose()
+        except Exception as err:
+            _publish(launcher, root, {"error": str(err), "type": type(err).__name__})
+            raise
+        _publish(launcher, root, choice)
+        return choice
+    choice = _receive(launcher, root)
+    if "error" in choice:
+        kind = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}.get(
+            choice["type"], RuntimeError
+        )
+        raise kind(choice["error"])
+    return choice
+
+
+def _agent_store(launcher: Launcher) -> Any | None:
+    """torchrun's own TCPStore (as torch's env:// initialisation reuses it), or None outside torchrun."""
+    if launcher.name != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=AGREE_TIMEOUT_S),
+    )
+    return PrefixStore(f"ssl_xcit/run_dir/{launcher.key}", store)
+
+
+def _claim_file(launcher: Launcher, root: Path) -> Path:
+    return root / ".launches" / f"{_safe_name(launcher.key)}.json"
+
+
+def _publish(launcher: Launcher, root: Path, choice: dict[str, Any]) -> None:
+    text = json.dumps(choice)
+    store = _agent_store(launcher)
+    if store is not None:
+        store.set("choice", text)
+        return
+    claim = _claim_file(launcher, root)
+    claim.parent.mkdir(parents=True, exist_ok=True)
+    partial = claim.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(text)
+    os.replace(partial, claim)  # readers never see half a file
+
+
+def _receive(launcher: Launcher, root: Path) -> dict[str, Any]:
+    store = _agent_store(launcher)
+    if store is not None:
+        return json.loads(store.get("choice").decode())  # blocks until rank 0 has set it (or the timeout)
+    claim = _claim_file(launcher, root)
+    deadline = time.monotonic() + AGREE_TIMEOUT_S
+    while not claim.is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{launcher.name} rank {launcher.rank}: rank 0 did not record the run folder in {claim} within "
+                f"{AGREE_TIMEOUT_S:.0f} s; default_root_dir must be on a filesystem every node shares, or pass "
+                "--run_dir"
+            )
+        time.sleep(0.2)
+    return json.loads(claim.read_text())
+
+
+def _choose_run(root: Path, subcommand: str, ckpt_path: str | None) -> tuple[Path, str | None, bool]:
+    """``(run folder, message, fresh)``: ``fresh`` when ``--ckpt_path last`` found nothing to resume."""
+    if ckpt_path == "last":
+        run = latest_resumable(root)
+        if run is not None:
+            return run, None, False
+        if subcommand != "fit":
+            raise FileNotFoundError(
+                f"--ckpt_path last: no run under {root} has checkpoints/{LAST}; "
+                f"train one first or give the checkpoint's path"
+            )
+        return (
+            new_run_dir(root),
+            f"--ckpt_path last: no earlier run under {root} to resume; starting a new run",
+            True,
+        )
+    if ckpt_path and Path(ckpt_path).parent.name == "checkpoints" and subcommand != "fit":
+        return (
+            Path(ckpt_path).parent.parent,
+            None,
+            False,
+        )  # evaluating a run's checkpoint: its logs join that run
+    return new_run_dir(root), None, False
+
+
 def place_run(
     config: Any, subcommand: str, run_dir: str | None, child_run_dir: str | None = None
 ) -> tuple[Path, str | None]:
@@ -89,31 +244,25 @@ def place_run(
     trainer = config.trainer
     root = Path(trainer.default_root_dir or "runs").expanduser()
     ckpt_path = getattr(config, "ckpt_path", None)
-    message = None
     if child_run_dir:  # a DDP process started by Lightning: the launcher already chose
-        run = Path(child_run_dir)
+        run, message, fresh = Path(child_run_dir), None, False
     elif run_dir:
-        run = Path(run_dir).expanduser()
+        run, message, fresh = Path(run_dir).expanduser(), None, False
         run.mkdir(parents=True, exist_ok=True)
-    elif ckpt_path == "last":
-        run = latest_resumable(root)
-        if run is None:
-            if subcommand != "fit":
-                raise FileNotFoundError(
-                    f"--ckpt_path last: no run under {root} has checkpoints/{LAST}; "
-                    f"train one first or give the checkpoint's path"
-                )
-            run = new_run_dir(root)
-            message = f"--ckpt_path last: no earlier run under {root} to resume; starting a new run"
-    elif ckpt_path and Path(ckpt_path).parent.name == "checkpoints" and subcommand != "fit":
-        run = Path(ckpt_path).parent.parent  # evaluating a run's checkpoint: its logs join that run
     else:
-        run = new_run_dir(root)
-    if ckpt_path == "last" and message is None:
+        launcher = detect_launcher()
+
+        def choose() -> dict[str, Any]:
+            chosen, text, new = _choose_run(root, subcommand, ckpt_path)
+            return {"run": str(chosen), "message": text, "fresh": new}
+
+        choice = agree(launcher, root, choose) if launcher and launcher.world_size > 1 else choose()
+        run, message, fresh = Path(choice["run"]), choice["message"], choice["fresh"]
+    if ckpt_path == "last" and not fresh:
         config.ckpt_path = str(run / "checkpoints" / LAST)
         verb = "resuming" if subcommand == "fit" else "evaluating"
         message = f"--ckpt_path last: {verb} {run} from {config.ckpt_path}"
-    elif message is not None:
+    elif fresh:
         config.ckpt_path = None
 
     log_dir = run if subcommand == "fit" else run / subcommand

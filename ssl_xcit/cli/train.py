@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.cli.errors import ShortErrorParser
 from ssl_xcit.cli.quiet import cap_workers, install_filters
-from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, place_run
+from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, inherited_run_dir, place_run
 
 
 class SSLXCiTCLI(LightningCLI):
@@ -51,8 +51,7 @@ class SSLXCiTCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        # Lightning re-runs this command in each extra DDP process; they must join the launcher's run folder.
-        child = os.environ.get(RUN_DIR_ENV) if os.environ.get("LOCAL_RANK", "0") != "0" else None
+        child = inherited_run_dir()
         self.run_dir, message = place_run(config, self.subcommand or "fit", config.get("run_dir"), child)
         os.environ[RUN_DIR_ENV] = str(self.run_dir)
         self.resuming = config.get("ckpt_path") == str(self.run_dir / "checkpoints" / "last.ckpt")

@@ -8,12 +8,13 @@ scores the val split. k and T are logged next to the accuracy, so a changed defa
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from ssl_xcit.evaluation.embed import embed_dataset
 from ssl_xcit.evaluation.knn import weighted_knn
@@ -25,6 +26,34 @@ def _labels_of(dataset: Dataset) -> bool:
         return bool(labelled)
     targets = getattr(dataset, "targets", None)
     return targets is not None and len(targets) > 0 and min(targets) >= 0
+
+
+def _gather_rows(
+    strategy: Any, features: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate every rank's ``features`` (n_r, D) and ``labels`` (n_r,) in rank order, on every rank.
+
+    The ranks' row counts differ (unreadable images, a short last share) and a rank may hold none, so the
+    counts and the width travel first and the rows are padded to the largest count for the all-gather.
+    """
+    device = strategy.root_device
+    local = torch.tensor([features.shape[0], features.shape[-1] if features.shape[0] else 0], device=device)
+    sizes = strategy.all_gather(local).reshape(-1, 2).cpu()
+    rows, dim = int(sizes[:, 0].max()), int(sizes[:, 1].max())
+    if rows == 0:
+        raise ValueError("online k-NN: no readable image in the dataset on any rank")
+    padded = torch.zeros(rows, dim, dtype=torch.float32, device=device)
+    padded_labels = torch.full((rows,), -1, dtype=torch.long, device=device)
+    if features.shape[0]:
+        padded[: features.shape[0]] = features.to(device, torch.float32)
+        padded_labels[: features.shape[0]] = labels.to(device)
+    all_features = strategy.all_gather(padded).cpu()
+    all_labels = strategy.all_gather(padded_labels).cpu()
+    counts = sizes[:, 0].tolist()
+    return (
+        torch.cat([all_features[r, :n] for r, n in enumerate(counts)]),
+        torch.cat([all_labels[r, :n] for r, n in enumerate(counts)]),
+    )
 
 
 class OnlineKNN(Callback):
@@ -41,7 +70,9 @@ class OnlineKNN(Callback):
         max_train_samples: cap the k-NN bank (evenly spaced subset) to bound the cost on large datasets.
 
     Logs ``knn/top1``, ``knn/k`` and ``knn/temperature``. The teacher backbone is put in eval mode for the
-    feature pass (BN running statistics, no drop path) and its previous mode is restored afterwards.
+    feature pass (BN running statistics, no drop path) and its previous mode is restored afterwards. Under
+    DDP each rank embeds 1/world of the images and the features are all-gathered, so every rank computes
+    the same k-NN and no rank waits for another.
     Disabled, with a message, when the datamodule provides no labelled pair.
     """
 
@@ -93,26 +124,49 @@ class OnlineKNN(Callback):
             rank_zero_warn(f"Online k-NN disabled: {self._disabled_reason}. Training continues without it.")
         return self._datasets
 
-    def _features(self, backbone: torch.nn.Module, dataset: Dataset, device: torch.device):
+    def _features(
+        self,
+        backbone: torch.nn.Module,
+        dataset: Dataset,
+        device: torch.device,
+        trainer: Trainer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, labels) of the readable images of ``dataset``, in order, on every rank. Under DDP each
+        rank embeds one contiguous share and the shares are all-gathered: the work is split, nobody waits
+        for rank 0, and every rank gets the whole, identical set."""
+        world, rank = getattr(trainer, "world_size", 1), getattr(trainer, "global_rank", 0)
+        if world > 1:
+            share = math.ceil(len(dataset) / world)
+            dataset = Subset(
+                dataset, range(min(rank * share, len(dataset)), min((rank + 1) * share, len(dataset)))
+            )
         # The package's one in-process extraction: eval mode inside, every submodule's mode restored after.
         out = embed_dataset(
-            backbone, dataset, batch_size=self.batch_size, num_workers=self.num_workers, device=device
+            backbone,
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            device=device,
+            allow_empty=world > 1,
         )
-        return out["features"], out["labels"]
+        if world == 1:
+            return out["features"], out["labels"]
+        return _gather_rows(trainer.strategy, out["features"], out["labels"])
 
     # --------------------------------------------------------------------------------------- evaluation
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> float | None:
-        """Top-1 (%) of the teacher backbone, or None when disabled. Runs on global rank 0 only."""
+        """Top-1 (%) of the teacher backbone, or None when disabled. Under DDP every rank takes part and gets
+        the same number (each embeds a share of the images; the k-NN runs on the gathered features)."""
         pair = self._resolve(trainer)
-        if pair is None or not trainer.is_global_zero:
+        if pair is None:
             return None
         train, val = pair
         if self.max_train_samples and len(train) > self.max_train_samples:
             step = len(train) / self.max_train_samples
             train = torch.utils.data.Subset(train, [int(i * step) for i in range(self.max_train_samples)])
         backbone = pl_module.teacher.backbone
-        train_f, train_y = self._features(backbone, train, pl_module.device)
-        val_f, val_y = self._features(backbone, val, pl_module.device)
+        train_f, train_y = self._features(backbone, train, pl_module.device, trainer)
+        val_f, val_y = self._features(backbone, val, pl_module.device, trainer)
         scores = weighted_knn(train_f, train_y, val_f, ks=(self.k,), temperature=self.temperature)[self.k]
         top1 = 100.0 * float((scores.argmax(dim=1) == val_y).float().mean())
         # Under `validate` the trainer's counters are 0; the module knows the checkpoint's epoch and step.
@@ -128,7 +182,9 @@ class OnlineKNN(Callback):
     def _log(self, pl_module: LightningModule, top1: float | None) -> None:
         if top1 is None:
             return
-        kw = dict(rank_zero_only=True, on_step=False, on_epoch=True)
+        # Every rank holds the same value, so every rank logs it (a ModelCheckpoint monitoring knn/top1 then
+        # decides the same everywhere); the mean over ranks of equal numbers is that number.
+        kw = dict(on_step=False, on_epoch=True, sync_dist=True)
         pl_module.log("knn/top1", top1, prog_bar=True, **kw)
         pl_module.log("knn/k", float(self.k), **kw)
         pl_module.log("knn/temperature", float(self.temperature), **kw)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -45,6 +46,15 @@ def collapse_mode(
     return None
 
 
+def _gather_signals(trainer: Trainer, signals: tuple[float, float]) -> list[tuple[float, float]]:
+    """``(entropy, KL)`` of every rank, in rank order (one small all-gather under DDP)."""
+    if trainer.world_size == 1:
+        return [(float(signals[0]), float(signals[1]))]
+    local = torch.tensor([float(signals[0]), float(signals[1])], dtype=torch.float64)
+    gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device))
+    return [(float(e), float(k)) for e, k in gathered.reshape(-1, 2).cpu().tolist()]
+
+
 class CollapseGuard(Callback):
     """Warn once (or stop the run) when a collapse mode holds for ``patience`` steps.
 
@@ -54,7 +64,8 @@ class CollapseGuard(Callback):
         grace_steps: steps ignored at the start, while a random-init teacher is still near uniform.
 
     Logs ``collapse/uniform`` and ``collapse/one_prototype`` (1 while the mode holds); ``events`` keeps
-    ``{"mode", "step", "entropy", "kl_to_uniform"}`` per detection.
+    ``{"mode", "step", "entropy", "kl_to_uniform"}`` per detection, plus ``"ranks"`` (those showing the mode)
+    under DDP. The signals are gathered from every rank, so all ranks warn and stop on the same step.
     """
 
     def __init__(
@@ -74,20 +85,36 @@ class CollapseGuard(Callback):
         signals = getattr(pl_module, "last_collapse_signals", None)
         if self.action == "off" or signals is None or trainer.global_step < self.grace_steps:
             return
-        entropy, kl = signals
         out_dim = pl_module.hparams.out_dim
-        mode = collapse_mode(entropy, kl, out_dim)
+        # Every rank sees every rank's signals and takes the same decision: a rank that stopped alone would
+        # leave the others waiting in the next collective, and a collapse seen only on rank 3 must still be
+        # reported (by rank 0). A mode holds when any rank shows it.
+        per_rank = _gather_signals(trainer, signals)
+        modes = [collapse_mode(entropy, kl, out_dim) for entropy, kl in per_rank]
         for name in self._run:
-            self._run[name] = self._run[name] + 1 if mode == name else 0
-            pl_module.log(f"collapse/{name}", float(mode == name), on_step=True, on_epoch=False)
-        if mode is None or self._run[mode] < self.patience or mode in self._reported:
+            held = name in modes
+            self._run[name] = self._run[name] + 1 if held else 0
+            pl_module.log(f"collapse/{name}", float(held), on_step=True, on_epoch=False)
+        due = [
+            m for m in self._run if self._run[m] >= self.patience and m in modes and m not in self._reported
+        ]
+        if not due:
             return
+        mode = due[0]
+        rank = modes.index(mode)
+        entropy, kl = per_rank[rank]
         self._reported.add(mode)
         event = {"mode": mode, "step": trainer.global_step, "entropy": entropy, "kl_to_uniform": kl}
+        if len(per_rank) > 1:
+            event["ranks"] = [r for r, m in enumerate(modes) if m == mode]
         self.events.append(event)
+        where = ""
+        if "ranks" in event:
+            shown = event["ranks"]
+            where = f" on rank{'s' * (len(shown) > 1)} {', '.join(map(str, shown))}"
         message = (
             f"DINO teacher collapse ({mode.replace('_', ' ')}) for {self.patience} steps at step "
-            f"{trainer.global_step}: teacher entropy {entropy:.3f} (ln K = {math.log(out_dim):.3f}), "
+            f"{trainer.global_step}{where}: teacher entropy {entropy:.3f} (ln K = {math.log(out_dim):.3f}), "
             f"KL to uniform {kl:.4f}. Try {REMEDIES[mode]}."
         )
         if self.action == "stop":

@@ -181,12 +181,10 @@ class DINO(LightningModule):
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
 
     # ----------------------------------------------------------------------------------------- mode, setup
-    def train(self, mode: bool = True) -> DINO:
-        """The teacher always runs in train mode (batch statistics in its BatchNorms), as in the reference,
-        whatever Lightning toggles; evaluation code puts ``teacher.backbone`` in eval mode itself."""
-        super().train(mode)
-        self.teacher.train(True)
-        return self
+    # `train()`/`eval()` are nn.Module's: `eval()` puts student and teacher in eval mode, so `forward` (the
+    # exported network) uses BatchNorm running statistics, embeds each image independently of its batch and
+    # never moves those statistics. Training puts both back in train mode itself (`_set_training_modes`), the
+    # teacher included: in the reference its BatchNorms use batch statistics while training.
 
     def _set_training_modes(self) -> None:
         """Student and teacher in train mode, every submodule included. Lightning 2.6 no longer calls
@@ -273,7 +271,13 @@ class DINO(LightningModule):
         batches = trainer.num_training_batches
         if not math.isfinite(batches) or batches < 1:
             raise ValueError(f"DINO needs a sized training dataloader, got {batches} batches per epoch")
-        iters = max(int(batches) // hp.accumulate_grad_batches, 1)
+        if batches < hp.accumulate_grad_batches:
+            raise ValueError(
+                f"accumulate_grad_batches={hp.accumulate_grad_batches} is more than the {int(batches)} training "
+                f"batches per epoch, so no optimiser step would ever run; use accumulate_grad_batches <= "
+                f"{int(batches)}, or a smaller batch_size"
+            )
+        iters = int(batches) // hp.accumulate_grad_batches
         self._iters_per_epoch = iters
         if hp.warmup_epochs > epochs:
             raise ValueError(f"warmup_epochs={hp.warmup_epochs} is longer than trainer.max_epochs={epochs}")
@@ -295,7 +299,8 @@ class DINO(LightningModule):
 
     # ------------------------------------------------------------------------------------------- training
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Teacher backbone embedding (the network one exports and evaluates)."""
+        """Teacher backbone embedding (the network one exports and evaluates). After ``eval()`` each image's
+        embedding is independent of the rest of its batch."""
         return self.teacher.backbone(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
@@ -339,9 +344,14 @@ class DINO(LightningModule):
         loss = out.loss
         batch_size = crops[0].shape[0]
         if self.hparams.koleo_weight > 0:
-            # Per global crop, as in DINOv2: each view's batch is spread on its own.
+            # Per global crop and per rank, as in DINOv2: each view's local batch is spread on its own. A rank
+            # left with one readable image has no neighbour to push from: its term is 0 (no collective is
+            # involved, so the other ranks are unaffected and nobody waits).
             globals_ = student_embedding[: NUM_GLOBAL_CROPS * batch_size].chunk(NUM_GLOBAL_CROPS)
-            koleo = sum(koleo_loss(view) for view in globals_)
+            if batch_size >= 2:
+                koleo = sum(koleo_loss(view) for view in globals_)
+            else:
+                koleo = student_embedding.new_zeros((), dtype=torch.float32)
             loss = loss + self.hparams.koleo_weight * koleo
             self.log("train/koleo", koleo.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
         self._check_finite(loss)
@@ -412,12 +422,14 @@ class DINO(LightningModule):
 
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        """DINO loss on held-out multi-crop batches (student in eval mode; centre and teacher statistics
-        untouched). Single-view batches (an evaluation transform) have no loss and are skipped."""
-        if batch is None:
-            return None
-        crops = crops_from_batch(batch)
-        if len(crops) < NUM_GLOBAL_CROPS + 1:
+        """DINO loss on held-out multi-crop batches (student and teacher in eval mode; centre and teacher
+        statistics untouched). Single-view batches (an evaluation transform) have no loss and are skipped, as are
+        batches with no readable image. The ranks skip together, as in training: the Sinkhorn-Knopp
+        centring all-reduces, and a rank that skipped alone would pair its next batch's collectives with
+        another rank's current ones."""
+        empty = batch is None or isinstance(batch, EmptyBatch)
+        crops = [] if empty else crops_from_batch(batch)
+        if self.trainer.strategy.reduce_boolean_decision(len(crops) < NUM_GLOBAL_CROPS + 1, all=False):
             return None
         with torch.no_grad(), buffers_preserved(self.teacher):
             teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])

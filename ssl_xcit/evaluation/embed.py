@@ -29,13 +29,18 @@ def embed_dataset(
     batch_size: int = 128,
     num_workers: int = 0,
     device: torch.device | str | None = None,
+    allow_empty: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``{"features" (N, D) float32 on CPU, "labels" (N,)}`` of the readable images of ``dataset``, in order.
 
     A module runs in eval mode and gets back the mode of every submodule afterwards (a DINO teacher mid-fit
     stays in train mode). Batches whose images were all unreadable are skipped, as in ``extract_features``.
+    With ``allow_empty`` (one shard of a dataset split over processes) no readable image gives (0, 0)
+    features and no labels instead of an error.
     """
     config = config or FeatureConfig()
+    if allow_empty and len(dataset) == 0:  # type: ignore[arg-type]
+        return {"features": torch.empty(0, 0), "labels": torch.empty(0, dtype=torch.long)}
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise ValueError("embed_dataset needs a dataset with at least one image")
     loader = DataLoader(
@@ -56,6 +61,8 @@ def embed_dataset(
         if isinstance(model, nn.Module):
             for name, m in model.named_modules():
                 m.training = modes.get(name, m.training)
+    if not feats and allow_empty:
+        return {"features": torch.empty(0, 0), "labels": torch.empty(0, dtype=torch.long)}
     if not feats:
         raise ValueError(f"no readable image among the {len(dataset)} of the dataset")  # type: ignore[arg-type]
     return {"features": torch.cat(feats), "labels": torch.cat(labels)}

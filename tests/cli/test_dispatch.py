@@ -92,3 +92,53 @@ def test_console_scripts_parse_a_recipe_exactly_as_typed(script):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "backbone: xcit_small_12_p8" in out.stdout
+
+
+def _declared_scripts() -> dict[str, str]:
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # standard library from Python 3.11
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    return tomllib.loads(pyproject.read_text())["project"]["scripts"]
+
+
+def test_lightning_console_script_dispatches_to_our_cli():
+    """`lightning fit -c recipes/...` (the spelling the product is known by) is our CLI, installed or not: the
+    declared entry point is loaded and called exactly as pip's generated script calls it."""
+    from pathlib import Path
+
+    scripts = _declared_scripts()
+    assert scripts["lightning"] == scripts["ssl-xcit"] == "ssl_xcit.cli:console_main"
+    launcher = (
+        "import sys\n"
+        "from importlib.metadata import EntryPoint\n"
+        f"entry = EntryPoint(name='lightning', value={scripts['lightning']!r}, group='console_scripts').load()\n"
+        "sys.argv[0] = 'lightning'\n"
+        "sys.exit(entry())\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", launcher, "fit", "-c", "recipes/dino_xcit_s12_8.yaml", "--print_config"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "backbone: xcit_small_12_p8" in out.stdout
+    assert "class_path: ssl_xcit.dino.module.DINO" in out.stdout
+
+
+def test_no_installed_distribution_takes_the_lightning_script_from_us():
+    """Another package's `lightning` script (lightning-sdk ships one) would shadow ours on PATH, depending on
+    install order. Every installed `lightning` console script must be ours."""
+    from importlib.metadata import distributions
+
+    owners = {
+        (dist.metadata["Name"], ep.value)
+        for dist in distributions()
+        for ep in dist.entry_points
+        if ep.group == "console_scripts" and ep.name == "lightning"
+    }
+    assert owners <= {("ssl-xcit", "ssl_xcit.cli:console_main")}, owners

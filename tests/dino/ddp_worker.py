@@ -49,11 +49,12 @@ class Record(L.Callback):
         self.centers.append(pl_module.dino_loss.center.detach().clone())
 
 
-def build():
+def build(**overrides):
     from ssl_xcit.dino.module import DINO
 
     L.seed_everything(0, verbose=False)
     return DINO(
+        **overrides,
         backbone="xcit_nano_12_p8",
         backbone_kwargs={"depth": 1},
         drop_path_rate=0.0,  # random masks would differ between the runs

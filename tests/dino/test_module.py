@@ -71,7 +71,7 @@ def test_ema_update_math(tiny):
             assert torch.equal(value, teacher_before[name]), name
 
 
-def test_teacher_is_a_frozen_copy_that_stays_in_train_mode(tiny):
+def test_teacher_is_a_frozen_copy_with_the_modules_mode(tiny):
     model = tiny.model()
     s, t = model.student.state_dict(), model.teacher.state_dict()
     assert all(torch.equal(s[k], t[k]) for k in s)
@@ -81,10 +81,32 @@ def test_teacher_is_a_frozen_copy_that_stays_in_train_mode(tiny):
     assert student_dp and all(p == pytest.approx(0.1) for p in student_dp)  # drop path: student only
     assert all(p == 0 for p in teacher_dp)
     model.eval()
-    assert not model.student.training
-    assert all(m.training for m in model.teacher.modules())  # BN keeps batch statistics, as the reference
+    assert not any(m.training for m in model.modules())
     model.train()
-    assert model.student.training and model.teacher.training
+    assert all(m.training for m in model.modules())
+
+
+def test_forward_in_eval_mode_is_batch_independent_and_keeps_bn_statistics(tiny):
+    """The exported network after ``eval()``: an image embeds the same alone or in a batch, and a forward
+    pass (predict, export checks) leaves the teacher's BatchNorm running statistics where they were."""
+    torch.manual_seed(0)
+    model = tiny.model()
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in model.teacher.modules())  # XCiT's patch embed
+    model.eval()
+    buffers = {k: v.clone() for k, v in model.teacher.state_dict().items() if "running" in k}
+    x = torch.randn(4, 3, 16, 16) * 3 + 1
+    with torch.no_grad():
+        batched, alone = model(x), model(x[:1])
+    torch.testing.assert_close(batched[:1], alone, rtol=1e-5, atol=1e-6)
+    for key, value in buffers.items():
+        assert torch.equal(model.teacher.state_dict()[key], value), key
+
+
+def test_accumulation_longer_than_an_epoch_is_an_error_naming_both_numbers(tiny, tmp_path):
+    model = tiny.model(accumulate_grad_batches=5)
+    trainer = tiny.trainer(tmp_path, max_epochs=1)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=5 is more than the 4 training batches"):
+        trainer.fit(model, tiny.loader(16, batch_size=4))
 
 
 def test_student_batches_crops_by_resolution(tiny):

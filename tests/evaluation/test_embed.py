@@ -68,3 +68,15 @@ def test_all_unreadable_is_a_clear_error():
 
     with pytest.raises(ValueError, match="no readable image among the 7"):
         embed_dataset(lambda x: x.flatten(1), Broken())
+
+
+def test_an_empty_share_is_allowed_when_asked():
+    """One process's share of a dataset split over processes may hold no readable image (online k-NN)."""
+
+    class Broken(Images):
+        def __getitem__(self, i):
+            return None
+
+    for dataset in (Broken(), torch.utils.data.Subset(Images(), [])):
+        out = embed_dataset(lambda x: x.flatten(1), dataset, allow_empty=True)
+        assert out["features"].shape == (0, 0) and out["labels"].shape == (0,)
