@@ -14,16 +14,21 @@ swaps in a ``DistributedSampler`` under DDP.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, collate_train
+from ssl_xcit.data.device_augment import PhotometricAugment, seed_for_rank
 from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
+
+AUGMENT_ON = ("cpu", "device")
 
 
 class DINODataModule(L.LightningDataModule):
@@ -68,6 +73,13 @@ class DINODataModule(L.LightningDataModule):
             (x 64/224 for 64-px crops).
         knn_bank_limit: Keep at most this many bank images (deterministic stratified subsample) so the online
             k-NN stays cheap on large labelled sets; None keeps all.
+        augment_on: Where the photometric augmentation (colour jitter, grayscale, blur, solarise, normalise)
+            runs. ``device`` (default): workers only decode (at reduced JPEG scale when the crops allow it),
+            crop, resize and flip, delivering uint8 crops, and the rest runs batched on the training device
+            after the transfer, with per-sample parameters from the same distributions; measured 4.6x the
+            images/s per worker of ``cpu`` on flowers5 at 2x224 + 8x96 (docs/input-pipeline.md), and on a GPU
+            it costs the GPU a small fraction of a step. ``cpu``: the whole of DINO's PIL augmentation in the
+            workers, as the reference does; float crops.
     """
 
     def __init__(
@@ -98,6 +110,7 @@ class DINODataModule(L.LightningDataModule):
         eval_crop: int = 224,
         verify_images: bool = False,
         knn_bank_limit: int | None = None,
+        augment_on: Literal["cpu", "device"] = "device",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -117,7 +130,13 @@ class DINODataModule(L.LightningDataModule):
             raise ValueError(f"need batch_size >= 1 and num_workers >= 0, got {batch_size} and {num_workers}")
         if knn_bank_limit is not None and knn_bank_limit < 1:
             raise ValueError(f"knn_bank_limit must be >= 1 or None, got {knn_bank_limit!r}")
-        self.train_transform = MultiCropTransform(
+        if augment_on not in AUGMENT_ON:
+            raise ValueError(
+                f"augment_on must be 'cpu' (PIL augmentation in the workers) or 'device' (photometric part "
+                f"batched on the training device), got {augment_on!r}"
+            )
+        # Built in both modes: it validates every augmentation argument with the CPU path's messages.
+        cpu_transform = MultiCropTransform(
             global_crops_size=global_crops_size,
             global_crops_scale=global_crops_scale,
             local_crops_number=local_crops_number,
@@ -132,6 +151,30 @@ class DINODataModule(L.LightningDataModule):
             grayscale_prob=grayscale_prob,
             blur_radius=blur_radius,
         )
+        self.device_augment: PhotometricAugment | None = None
+        self.train_transform: MultiCropTransform | MultiCropGeometry = cpu_transform
+        if augment_on == "device":
+            self.train_transform = MultiCropGeometry(
+                global_crops_size=global_crops_size,
+                global_crops_scale=global_crops_scale,
+                local_crops_number=local_crops_number,
+                local_crops_size=local_crops_size,
+                local_crops_scale=local_crops_scale,
+            )
+            self.device_augment = PhotometricAugment(
+                color_jitter=color_jitter,
+                color_jitter_prob=color_jitter_prob,
+                grayscale_prob=grayscale_prob,
+                global_blur_probs=global_blur_probs,
+                local_blur_prob=local_blur_prob,
+                global_solarize_probs=global_solarize_probs,
+                local_solarize_prob=local_solarize_prob,
+                blur_radius=blur_radius,
+            )
+        # The device augmentation's own RNG: seeded on first use from the run's seed and the rank, and kept in
+        # the checkpoint (state_dict), so seeded runs repeat and a resumed run draws what the full run drew.
+        self._augment_generator: torch.Generator | None = None
+        self._augment_state: torch.Tensor | None = None
         self.eval_transform = eval_transform(eval_resize, eval_crop)
         self.train_dataset: ImageDataset | None = None
         self.val_dataset: ImageDataset | None = None  # labelled k-NN queries (no transform), or None
@@ -298,6 +341,40 @@ class DINODataModule(L.LightningDataModule):
                 ImageDataset(self.val_dataset.samples, classes, self.eval_transform),
             )
         return self._knn
+
+    # ------------------------------------------------------------------------------- device augmentation
+    def augment_generator(self) -> torch.Generator:
+        """The CPU generator of the device augmentation's parameters (created and seeded on first use)."""
+        if self._augment_generator is None:
+            rank = self.trainer.global_rank if self.trainer is not None else 0
+            generator = torch.Generator()
+            if self._augment_state is not None:
+                generator.set_state(self._augment_state)
+            else:
+                generator.manual_seed(seed_for_rank(torch.initial_seed(), rank))
+            self._augment_generator = generator
+        return self._augment_generator
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With ``augment_on="device"``: the photometric augmentation of a multi-crop batch, on its device."""
+        if self.device_augment is None or not isinstance(batch, (list, tuple)) or not batch:
+            return batch
+        crops = batch[0]
+        if not isinstance(crops, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in crops):
+            return batch
+        augmented = self.device_augment(crops, self.augment_generator())
+        return [augmented, *batch[1:]]
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._augment_generator is None and self._augment_state is None:
+            return {}
+        return {"augment_rng": self.augment_generator().get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("augment_rng")
+        if state is not None:
+            self._augment_state = state
+            self._augment_generator = None
 
     # ------------------------------------------------------------------------------------------ bookkeeping
     @property
