@@ -151,6 +151,7 @@ class DINODataModule(L.LightningDataModule):
             grayscale_prob=grayscale_prob,
             blur_radius=blur_radius,
         )
+        self.crop_config: dict[str, Any] = cpu_transform.config  # every crop setting, resolved (both modes)
         self.device_augment: PhotometricAugment | None = None
         self.train_transform: MultiCropTransform | MultiCropGeometry = cpu_transform
         if augment_on == "device":
