@@ -120,7 +120,11 @@ class MultiCropGeometry:
                     raw_w, raw_h = image.size
                     image.draft("RGB", (math.ceil(raw_w / reduction), math.ceil(raw_h / reduction)))
             image.load()  # the full decode, so a truncated file raises here
-            upright = ImageOps.exif_transpose(image).convert("RGB")
+            # exif_transpose and convert each copy the image even when there is nothing to do: skip them then
+            # (leaving the `with` closes only the file; the decoded pixels stay).
+            upright = ImageOps.exif_transpose(image) if orientation != 1 else image
+            if upright.mode != "RGB":
+                upright = upright.convert("RGB")
         return PlannedImage(upright, crops, (upright.width / width, upright.height / height))
 
     def __call__(self, image: Image.Image | PlannedImage) -> list[torch.Tensor]:
