@@ -28,7 +28,7 @@ from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 
-AUGMENT_ON = ("cpu", "device")
+AUGMENT_ON = ("auto", "cpu", "device")
 
 
 class DINODataModule(L.LightningDataModule):
@@ -74,12 +74,13 @@ class DINODataModule(L.LightningDataModule):
         knn_bank_limit: Keep at most this many bank images (deterministic stratified subsample) so the online
             k-NN stays cheap on large labelled sets; None keeps all.
         augment_on: Where the photometric augmentation (colour jitter, grayscale, blur, solarise, normalise)
-            runs. ``device`` (default): workers only decode (at reduced JPEG scale when the crops allow it),
-            crop, resize and flip, delivering uint8 crops, and the rest runs batched on the training device
-            after the transfer, with per-sample parameters from the same distributions; measured 4.6x the
-            images/s per worker of ``cpu`` on flowers5 at 2x224 + 8x96 (docs/input-pipeline.md), and on a GPU
-            it costs the GPU a small fraction of a step. ``cpu``: the whole of DINO's PIL augmentation in the
-            workers, as the reference does; float crops.
+            runs. ``device``: workers only decode (at reduced JPEG scale when the crops allow it), crop, resize
+            and flip, delivering uint8 crops, and the rest runs batched on the training device after the
+            transfer, with per-sample parameters from the same distributions; the workers then deliver several
+            times the images/s (measured in docs/input-pipeline.md). ``cpu``: DINO's whole PIL augmentation in
+            the workers, as the reference does. ``auto`` (default) is ``device`` when the trainer runs on an
+            accelerator and ``cpu`` when it trains on the CPU: there the "device" is the training process
+            itself, so moving the work out of the parallel workers into it measured slower per step.
     """
 
     def __init__(
@@ -110,7 +111,7 @@ class DINODataModule(L.LightningDataModule):
         eval_crop: int = 224,
         verify_images: bool = False,
         knn_bank_limit: int | None = None,
-        augment_on: Literal["cpu", "device"] = "device",
+        augment_on: Literal["auto", "cpu", "device"] = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -132,10 +133,10 @@ class DINODataModule(L.LightningDataModule):
             raise ValueError(f"knn_bank_limit must be >= 1 or None, got {knn_bank_limit!r}")
         if augment_on not in AUGMENT_ON:
             raise ValueError(
-                f"augment_on must be 'cpu' (PIL augmentation in the workers) or 'device' (photometric part "
-                f"batched on the training device), got {augment_on!r}"
+                f"augment_on must be 'auto', 'cpu' (PIL augmentation in the workers) or 'device' (photometric "
+                f"part batched on the training device), got {augment_on!r}"
             )
-        # Built in both modes: it validates every augmentation argument with the CPU path's messages.
+        # Both halves are built in every mode: each validates the arguments it must honour.
         cpu_transform = MultiCropTransform(
             global_crops_size=global_crops_size,
             global_crops_scale=global_crops_scale,
@@ -152,26 +153,28 @@ class DINODataModule(L.LightningDataModule):
             blur_radius=blur_radius,
         )
         self.crop_config: dict[str, Any] = cpu_transform.config  # every crop setting, resolved (both modes)
-        self.device_augment: PhotometricAugment | None = None
+        self.cpu_transform = cpu_transform
+        self.geometry = MultiCropGeometry(
+            global_crops_size=global_crops_size,
+            global_crops_scale=global_crops_scale,
+            local_crops_number=local_crops_number,
+            local_crops_size=local_crops_size,
+            local_crops_scale=local_crops_scale,
+        )
+        self.photometric = PhotometricAugment(
+            color_jitter=color_jitter,
+            color_jitter_prob=color_jitter_prob,
+            grayscale_prob=grayscale_prob,
+            global_blur_probs=global_blur_probs,
+            local_blur_prob=local_blur_prob,
+            global_solarize_probs=global_solarize_probs,
+            local_solarize_prob=local_solarize_prob,
+            blur_radius=blur_radius,
+        )
+        self.augment_on: str = "cpu"
         self.train_transform: MultiCropTransform | MultiCropGeometry = cpu_transform
-        if augment_on == "device":
-            self.train_transform = MultiCropGeometry(
-                global_crops_size=global_crops_size,
-                global_crops_scale=global_crops_scale,
-                local_crops_number=local_crops_number,
-                local_crops_size=local_crops_size,
-                local_crops_scale=local_crops_scale,
-            )
-            self.device_augment = PhotometricAugment(
-                color_jitter=color_jitter,
-                color_jitter_prob=color_jitter_prob,
-                grayscale_prob=grayscale_prob,
-                global_blur_probs=global_blur_probs,
-                local_blur_prob=local_blur_prob,
-                global_solarize_probs=global_solarize_probs,
-                local_solarize_prob=local_solarize_prob,
-                blur_radius=blur_radius,
-            )
+        self.device_augment: PhotometricAugment | None = None
+        self._use_augment_on("cpu" if augment_on == "auto" else augment_on)  # "auto" is resolved in setup()
         # The device augmentation's own RNG: seeded on first use from the run's seed and the rank, and kept in
         # the checkpoint (state_dict), so seeded runs repeat and a resumed run draws what the full run drew.
         self._augment_generator: torch.Generator | None = None
@@ -182,6 +185,19 @@ class DINODataModule(L.LightningDataModule):
         self._val_crops: ImageDataset | None = None  # the val images with the multi-crop transform
         self.knn_unavailable_reason: str | None = None
         self._knn: tuple[ImageDataset, ImageDataset] | None = None
+
+    def _use_augment_on(self, where: str) -> None:
+        self.augment_on = where
+        self.train_transform = self.geometry if where == "device" else self.cpu_transform
+        self.device_augment = self.photometric if where == "device" else None
+
+    def resolve_augment_on(self) -> str:
+        """``augment_on`` with ``auto`` resolved: ``device`` when the trainer runs on an accelerator, else ``cpu``."""
+        if self.hparams.augment_on != "auto":
+            return self.hparams.augment_on
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        device = getattr(strategy, "root_device", None)
+        return "device" if device is not None and device.type != "cpu" else "cpu"
 
     @property
     def num_crops(self) -> int:
@@ -196,6 +212,7 @@ class DINODataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
+        self._use_augment_on(self.resolve_augment_on())
         hp = self.hparams
         val_root = hp.val_root
         if hp.root is None:

@@ -32,8 +32,7 @@ def root(tmp_path):
 
 
 def test_device_mode_loader_gives_uint8_and_the_hook_normalised_floats(root):
-    dm = DINODataModule(root=root, batch_size=4, **SMALL_CROPS)
-    assert dm.hparams.augment_on == "device"
+    dm = DINODataModule(root=root, batch_size=4, augment_on="device", **SMALL_CROPS)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert all(c.dtype == torch.uint8 for c in batch[0])
@@ -55,13 +54,13 @@ def test_cpu_mode_leaves_batches_alone(root):
 
 
 def test_device_mode_refuses_float_crops(root):
-    dm = DINODataModule(root=root, batch_size=4, **SMALL_CROPS)
+    dm = DINODataModule(root=root, batch_size=4, augment_on="device", **SMALL_CROPS)
     with pytest.raises(TypeError, match="uint8 crops"):
         dm.on_after_batch_transfer([[torch.rand(2, 3, 16, 16)] * 2, torch.zeros(2), torch.zeros(2)], 0)
 
 
 def test_augment_on_is_checked_with_the_valid_values(root):
-    with pytest.raises(ValueError, match=r"augment_on must be 'cpu' .* or 'device' .*got 'gpu'"):
+    with pytest.raises(ValueError, match=r"augment_on must be 'auto', 'cpu' .* or 'device' .*got 'gpu'"):
         DINODataModule(root=root, augment_on="gpu", **SMALL_CROPS)
     with pytest.raises(ValueError, match="hue"):
         DINODataModule(root=root, color_jitter=(0.4, 0.4, 0.2, 0.7), **SMALL_CROPS)
@@ -79,3 +78,21 @@ def test_generator_seeded_from_run_seed_and_rank_and_restored_from_state(root):
     other = DINODataModule(root=root, batch_size=4, **SMALL_CROPS)
     other.load_state_dict(state)
     assert torch.equal(other.augment_generator().get_state(), state["augment_rng"])
+
+
+class _FakeTrainer:
+    def __init__(self, device: str) -> None:
+        self.strategy = type("Strategy", (), {"root_device": torch.device(device)})()
+        self.world_size, self.global_rank = 1, 0
+
+
+@pytest.mark.parametrize("device,want", [("cpu", "cpu"), ("cuda", "device"), ("mps", "device")])
+def test_auto_is_device_on_accelerators_and_cpu_on_the_cpu(root, device, want):
+    dm = DINODataModule(root=root, batch_size=4, **SMALL_CROPS)
+    assert dm.hparams.augment_on == "auto" and dm.augment_on == "cpu"  # before setup: no trainer known
+    dm.trainer = _FakeTrainer(device)
+    dm.setup("fit")
+    assert dm.augment_on == want
+    crops = dm.train_dataset[0][0]
+    assert crops[0].dtype == (torch.uint8 if want == "device" else torch.float32)
+    assert (dm.device_augment is not None) == (want == "device")
