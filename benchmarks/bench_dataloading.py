@@ -1,44 +1,89 @@
-"""Data-loading throughput of the DINO multi-crop pipeline: images/s in total and per DataLoader worker.
+"""Data-loading throughput of DINO multi-crop: the current CPU path against the new CPU half, side by side.
 
-Each image is decoded once and turned into 2 global + N local crops (default 2x224 + 8x96, the reference), so
-this is the rate at which the data side can feed a training step; compare it with the training-step images/s
-of the DINO throughput benchmark to know which one limits a run (workers needed = step rate / per-worker rate).
+"current" is ``augment_on=cpu``: every worker decodes and runs DINO's whole PIL augmentation (the reference's
+pipeline), delivering float crops. "new" is the worker half of ``augment_on=device``: decode (JPEG ``draft``
+when the crops allow it), random resized crops, resize and flip, delivering uint8 crops; the photometric half
+then runs batched on the training device. Both are timed in one run on the same files, per DataLoader worker,
+at 2x224 + 8x96 and 2x224 + 10x96 crops, and the ratio new / current is printed.
 
-Run from the repository root (flowers5 is read from ../shared/data; the synthetic set is generated on first use):
+Run from the repository root (the datasets are read from ../shared/data):
 
     python benchmarks/bench_dataloading.py
-    python benchmarks/bench_dataloading.py --workers 0 1 2 --num-images 160 --repeats 3 --compare-blur
-    python benchmarks/bench_dataloading.py --global-size 64 --local-size 32 --datasets synthetic
+    python benchmarks/bench_dataloading.py --datasets flowers5 --workers 0 --num-images 96 --repeats 3
+    python benchmarks/bench_dataloading.py --ci --compare-augment --compare-decoders
 
-num_workers=0 decodes in the main process (counted as one worker). Timing starts after the first batch, so
-worker start-up is excluded; each configuration is repeated and the median is printed. Torch intra-op threads
-are set to 1 in the main process, as DataLoader does in its workers, so the per-worker rates are comparable.
+Datasets: ``flowers5`` (128 x 128 JPEGs), ``ukbench`` (the 640 x 480 UKBench JPEGs of retrieval_mini, the size
+of an average ImageNet image, repeated to ``--photo-files`` files in a temporary folder), ``holidays`` (the 8 MP
+Holidays photos, repeated likewise), ``synthetic`` (the built-in PNGs). ``--ci`` is a few-second smoke run on
+small synthetic JPEGs. num_workers=0 decodes in the main process (counted as one worker). Timing starts after
+the first batch, so worker start-up is excluded; the median of ``--repeats`` runs is printed. Torch uses one
+intra-op thread, as in DataLoader workers.
+
+``--compare-augment`` times the device half on this CPU: our batched per-sample kernels, torchvision's v2
+functional ops looped per sample, and kornia's augmentation module (if installed). ``--compare-decoders`` times
+JPEG decoders on the photos: PIL at full size and with ``draft``, simplejpeg and PyTurboJPEG (if installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
+from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, load_image
+from ssl_xcit.data.device_augment import PhotometricAugment
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import GaussianBlur, MultiCropTransform
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SSL_XCIT_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
 
 
-def dataset_root(name: str) -> Path | None:
+def repeated_photos(source: Path, count: int, workdir: Path) -> Path | None:
+    """A folder of ``count`` links to the JPEGs under ``source`` (cycled), or None without the source."""
+    files = sorted(source.rglob("*.jpg")) if source.is_dir() else []
+    if not files:
+        return None
+    folder = workdir / source.name
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        link = folder / f"{i:05d}.jpg"
+        if not link.exists():
+            link.symlink_to(files[i % len(files)].resolve())
+    return folder
+
+
+def ci_images(workdir: Path, count: int = 48) -> Path:
+    """Small photo-like JPEGs (smooth random colours) for the CI-size run."""
+    folder = workdir / "ci"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        small = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8))
+        small.resize((160, 120), Image.BICUBIC).save(folder / f"{i:03d}.jpg", quality=90)
+    return folder
+
+
+def dataset_root(name: str, workdir: Path, photo_files: int) -> Path | None:
     if name == "flowers5":
-        shared = Path(os.environ.get("SSL_XCIT_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
-        path = shared / "flowers5"
+        path = SHARED / "flowers5"
         return path if path.is_dir() else None
+    if name in ("ukbench", "holidays"):
+        return repeated_photos(SHARED / "retrieval_mini" / name, photo_files, workdir)
+    if name == "ci":
+        return ci_images(workdir)
     return ensure_synthetic_dataset() / "train"
 
 
@@ -58,25 +103,171 @@ def loader_rate(dataset: ImageDataset, workers: int, batch_size: int, num_images
     next(iterator)  # worker start-up and the first decode are not counted
     start, seen = time.perf_counter(), 0
     while seen < num_images:
-        crops, _, _ = next(iterator)
+        try:
+            crops, _, _ = next(iterator)
+        except StopIteration:
+            iterator = iter(loader)
+            continue
         seen += crops[0].shape[0]
     rate = seen / (time.perf_counter() - start)
     del iterator
     return rate
 
 
-def decode_rate(dataset: ImageDataset, num_images: int) -> float:
-    paths = [p for p, _ in dataset.samples[:num_images]]
-    start = time.perf_counter()
-    for path in paths:
-        load_image(path)
-    return len(paths) / (time.perf_counter() - start)
+def compare_paths(args: argparse.Namespace, name: str, root: Path) -> list[tuple[str, float, float]]:
+    """Per-worker images/s of the current path and the new CPU half, per crop setting and worker count."""
+    rows = []
+    for local_number in args.local_numbers:
+        geometry = dict(
+            global_crops_size=args.global_size,
+            local_crops_size=args.local_size,
+            local_crops_number=local_number,
+        )
+        paths = {
+            "current (PIL, all augmentation)": MultiCropTransform(**geometry),
+            "new CPU half (uint8 crops)": MultiCropGeometry(**geometry),
+        }
+        setting = f"2x{args.global_size} + {local_number}x{args.local_size}"
+        for workers in args.workers:
+            rates = {}
+            for label, transform in paths.items():
+                dataset = build_dataset(root, transform=transform)
+                runs = [
+                    loader_rate(dataset, workers, args.batch_size, args.num_images, seed=r)
+                    for r in range(args.repeats)
+                ]
+                rates[label] = statistics.median(runs) / max(workers, 1)
+                print(
+                    f"  {setting}, num_workers={workers}: {label:32s} {rates[label]:7.1f} images/s per worker "
+                    f"(runs: {', '.join(f'{r:.1f}' for r in runs)})"
+                )
+            old, new = rates.values()
+            print(f"  {setting}, num_workers={workers}: ratio new / current = {new / old:.2f}x")
+            rows.append((f"{name} {setting} w{workers}", old, new))
+    return rows
+
+
+def device_half_rate(args: argparse.Namespace, batch: int = 16) -> None:
+    """Images/s of the photometric half on this CPU (one thread): ours, torchvision per sample, kornia."""
+    torch.manual_seed(0)
+    n_local = args.local_numbers[0]
+    crops = [torch.randint(0, 256, (batch, 3, args.global_size, args.global_size), dtype=torch.uint8)] * 2
+    crops += [
+        torch.randint(0, 256, (batch, 3, args.local_size, args.local_size), dtype=torch.uint8)
+    ] * n_local
+    ours = PhotometricAugment()
+    generator = torch.Generator().manual_seed(0)
+
+    def ours_call() -> None:
+        ours(crops, generator)
+
+    jitter = v2.ColorJitter(0.4, 0.4, 0.2, 0.1)
+    blur, gray = GaussianBlur((0.1, 2.0)), v2.RandomGrayscale(0.2)
+    normalize = v2.Normalize(ours.mean, ours.std)
+
+    def torchvision_call() -> None:
+        # v2 functional ops take one parameter set per call: a Python loop over the samples.
+        for k, c in enumerate(crops):
+            p_blur, p_sol = ours.crop_probs(k)
+            for image in c.float().div(255):
+                image = jitter(image) if torch.rand(1) < 0.8 else image
+                image = gray(image)
+                image = blur(image) if torch.rand(1) < p_blur else image
+                image = v2.functional.solarize(image, 0.5) if torch.rand(1) < p_sol else image
+                normalize(image)
+
+    candidates: dict[str, Callable[[], None]] = {
+        "ours (batched, per-sample params)": ours_call,
+        "torchvision v2, loop per sample": torchvision_call,
+    }
+    try:
+        import kornia.augmentation as K
+
+        def kornia_pipeline(p_blur: float, p_sol: float):
+            return K.AugmentationSequential(
+                K.ColorJitter(0.4, 0.4, 0.2, 0.1, p=0.8),
+                K.RandomGrayscale(p=0.2),
+                K.RandomGaussianBlur((13, 13), (0.1, 2.0), p=p_blur),
+                K.RandomSolarize(thresholds=0.0, additions=0.0, p=p_sol),
+                K.Normalize(torch.tensor(ours.mean), torch.tensor(ours.std)),
+            )
+
+        pipelines = [kornia_pipeline(*ours.crop_probs(k)) for k in range(len(crops))]
+
+        def kornia_call() -> None:
+            for pipeline, c in zip(pipelines, crops, strict=True):
+                pipeline(c.float().div(255))
+
+        candidates["kornia.augmentation (per-batch jitter order)"] = kornia_call
+    except ImportError:
+        print("  kornia not installed: its row is skipped (pip install kornia)")
+    rates = {}
+    for label, call in candidates.items():
+        call()  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        rates[label] = batch / statistics.median(times)
+        print(f"  device half on CPU, {label:48s} {rates[label]:7.1f} images/s (1 thread)")
+    base = rates["ours (batched, per-sample params)"]
+    for label, rate in rates.items():
+        print(f"  ratio ours / {label}: {base / rate:.2f}x")
+
+
+def compare_decoders(args: argparse.Namespace, workdir: Path) -> None:
+    """Full-image decode rates of the photo JPEGs: PIL, PIL draft at 1/2, 1/4, 1/8, simplejpeg, PyTurboJPEG."""
+    for name in ("ukbench", "holidays"):
+        root = dataset_root(name, workdir, 8)
+        if root is None:
+            print(f"decoders, {name}: not found under {SHARED / 'retrieval_mini'}, skipped")
+            continue
+        time_decoders(name, sorted(root.glob("*.jpg"))[:8], args.repeats)
+
+
+def time_decoders(name: str, files: list[Path], repeats: int) -> None:
+    blobs = [f.read_bytes() for f in files]
+    width, height = Image.open(files[0]).size
+    decoders: dict[str, Callable[[int], object]] = {"PIL full": lambda i: load_image(files[i]).size}
+    for scale in (2, 4, 8):
+        decoders[f"PIL draft 1/{scale}"] = lambda i, s=scale: load_image(
+            files[i], draft=(width // s, height // s)
+        )
+    try:
+        import simplejpeg
+
+        decoders["simplejpeg full"] = lambda i: simplejpeg.decode_jpeg(blobs[i], colorspace="RGB")
+        decoders["simplejpeg 1/4"] = lambda i: simplejpeg.decode_jpeg(
+            blobs[i], colorspace="RGB", min_width=width // 4, min_height=height // 4
+        )
+    except ImportError:
+        print("  simplejpeg not installed (pip install simplejpeg)")
+    try:
+        from turbojpeg import TurboJPEG
+
+        jpeg = TurboJPEG()
+        decoders["PyTurboJPEG full"] = lambda i: jpeg.decode(blobs[i])
+    except (ImportError, RuntimeError, OSError) as err:
+        print(f"  PyTurboJPEG unavailable ({type(err).__name__}: needs libturbojpeg)")
+    rates = {}
+    for label, decode in decoders.items():
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for i in range(len(files)):
+                decode(i)
+            runs.append(len(files) / (time.perf_counter() - start))
+        rates[label] = statistics.median(runs)
+    base = rates["PIL full"]
+    for label, rate in rates.items():
+        print(
+            f"decoders, {name} ({width}x{height}): {label:18s} {rate:8.1f} images/s, x{rate / base:.2f} PIL"
+        )
 
 
 def compare_blur(repeats: int) -> None:
     """Our PIL-backed blur vs v2.GaussianBlur with a +-3 sigma kernel, on crops of both reference sizes."""
-    from PIL import Image
-
     torch.manual_seed(0)
     for size in (224, 96):
         image = Image.fromarray(torch.randint(0, 256, (size, size, 3), dtype=torch.uint8).numpy())
@@ -92,52 +283,66 @@ def compare_blur(repeats: int) -> None:
         print(f"blur {size}px: ours {a:.2f} ms, v2.GaussianBlur {b:.2f} ms, speed-up x{b / a:.1f}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--datasets", nargs="+", default=["flowers5", "synthetic"], choices=["flowers5", "synthetic"]
+        "--datasets",
+        nargs="+",
+        default=["flowers5", "ukbench", "holidays"],
+        choices=["flowers5", "ukbench", "holidays", "synthetic", "ci"],
     )
-    parser.add_argument("--workers", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--workers", nargs="+", type=int, default=[0])
     parser.add_argument("--global-size", type=int, default=224)
     parser.add_argument("--local-size", type=int, default=96)
-    parser.add_argument("--local-number", type=int, default=8)
+    parser.add_argument("--local-numbers", nargs="+", type=int, default=[8, 10])
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--num-images", type=int, default=160, help="timed images per repeat (after warm-up)")
+    parser.add_argument("--num-images", type=int, default=96, help="timed images per repeat (after warm-up)")
+    parser.add_argument("--photo-files", type=int, default=300, help="files of the repeated photo folders")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare-augment", action="store_true", help="time the device half on this CPU")
+    parser.add_argument("--compare-decoders", action="store_true", help="time JPEG decoders on the photos")
     parser.add_argument("--compare-blur", action="store_true", help="also time the blur implementations")
-    args = parser.parse_args()
+    parser.add_argument("--ci", action="store_true", help="seconds-long smoke run on small generated JPEGs")
+    args = parser.parse_args(argv)
+    if args.ci:
+        args.datasets, args.workers, args.local_numbers = ["ci"], [0], [2]
+        args.global_size, args.local_size = 64, 32
+        args.batch_size, args.num_images, args.repeats = 8, 16, 1
+    return args
 
+
+def main(argv: list[str] | None = None) -> list[tuple[str, float, float]]:
+    args = parse_args(argv)
     torch.set_num_threads(1)
-    transform = MultiCropTransform(
-        global_crops_size=args.global_size,
-        local_crops_size=args.local_size,
-        local_crops_number=args.local_number,
-    )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"multi-crop 2x{args.global_size} + {args.local_number}x{args.local_size}, batch {args.batch_size}, "
-        f"{args.num_images} timed images x {args.repeats} repeats; {os.cpu_count()} CPUs, load average {load:.1f}"
+        f"DINO multi-crop loading, batch {args.batch_size}, {args.num_images} timed images x {args.repeats} "
+        f"repeats; {os.cpu_count()} CPUs, load average {load:.1f}"
     )
-    for name in args.datasets:
-        root = dataset_root(name)
-        if root is None:
-            print(f"{name}: not found (expected ../shared/data/flowers5), skipped")
-            continue
-        dataset = build_dataset(root, transform=transform)
-        decode = statistics.median(decode_rate(dataset, 200) for _ in range(args.repeats))
-        print(f"{name}: {len(dataset)} images at {root.name}/; decode only: {decode:.0f} images/s")
-        for workers in args.workers:
-            rates = [
-                loader_rate(dataset, workers, args.batch_size, args.num_images, seed=r)
-                for r in range(args.repeats)
-            ]
-            rate = statistics.median(rates)
-            print(
-                f"  num_workers={workers}: {rate:7.1f} images/s, {rate / max(workers, 1):6.1f} images/s per worker "
-                f"({rate * transform.num_crops:.0f} crops/s; runs: {', '.join(f'{r:.1f}' for r in rates)})"
-            )
-    if args.compare_blur:
-        compare_blur(args.repeats)
+    workdir = Path(tempfile.mkdtemp(prefix="bench_dataloading_"))
+    rows = []
+    try:
+        for name in args.datasets:
+            root = dataset_root(name, workdir, args.photo_files)
+            if root is None:
+                print(f"{name}: not found under {SHARED}, skipped")
+                continue
+            count = len(build_dataset(root))
+            size = Image.open(build_dataset(root).samples[0][0]).size
+            print(f"{name}: {count} files, first {size[0]}x{size[1]}")
+            rows += compare_paths(args, name, root)
+        if args.compare_augment:
+            device_half_rate(args)
+        if args.compare_decoders:
+            compare_decoders(args, workdir)
+        if args.compare_blur:
+            compare_blur(args.repeats)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("summary (images/s per worker): setting | current | new CPU half | ratio")
+    for label, old, new in rows:
+        print(f"  {label:40s} | {old:7.1f} | {new:7.1f} | {new / old:5.2f}x")
+    return rows
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def ours_hparams(model: DINO, dm: DINODataModule, epochs: int, steps_per_epoch: 
     """The resolved settings of our run (defaults included): model, crops, batch and schedule length."""
     hp = {k: model.hparams[k] for k in HP_KEYS}
     hp["backbone_kwargs"] = dict(hp["backbone_kwargs"] or {})
-    crops = dm.train_transform.config
+    crops = dm.crop_config
     hp.update({k: tuple(crops[k]) if isinstance(crops[k], (list, tuple)) else crops[k] for k in CROP_KEYS})
     batch = dm.hparams.batch_size
     peak = scaled_lr(model.hparams.lr, batch) if model.hparams.scale_lr_with_batch else model.hparams.lr

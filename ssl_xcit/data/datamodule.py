@@ -14,16 +14,21 @@ swaps in a ``DistributedSampler`` under DDP.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, collate_train
+from ssl_xcit.data.device_augment import PhotometricAugment, seed_for_rank
 from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
+
+AUGMENT_ON = ("auto", "cpu", "device")
 
 
 class DINODataModule(L.LightningDataModule):
@@ -68,6 +73,14 @@ class DINODataModule(L.LightningDataModule):
             (x 64/224 for 64-px crops).
         knn_bank_limit: Keep at most this many bank images (deterministic stratified subsample) so the online
             k-NN stays cheap on large labelled sets; None keeps all.
+        augment_on: Where the photometric augmentation (colour jitter, grayscale, blur, solarise, normalise)
+            runs. ``device``: workers only decode (at reduced JPEG scale when the crops allow it), crop, resize
+            and flip, delivering uint8 crops, and the rest runs batched on the training device after the
+            transfer, with per-sample parameters from the same distributions; the workers then deliver several
+            times the images/s (measured in docs/input-pipeline.md). ``cpu``: DINO's whole PIL augmentation in
+            the workers, as the reference does. ``auto`` (default) is ``device`` when the trainer runs on an
+            accelerator and ``cpu`` when it trains on the CPU: there the "device" is the training process
+            itself, so moving the work out of the parallel workers into it measured slower per step.
     """
 
     def __init__(
@@ -98,6 +111,7 @@ class DINODataModule(L.LightningDataModule):
         eval_crop: int = 224,
         verify_images: bool = False,
         knn_bank_limit: int | None = None,
+        augment_on: Literal["auto", "cpu", "device"] = "auto",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -117,7 +131,13 @@ class DINODataModule(L.LightningDataModule):
             raise ValueError(f"need batch_size >= 1 and num_workers >= 0, got {batch_size} and {num_workers}")
         if knn_bank_limit is not None and knn_bank_limit < 1:
             raise ValueError(f"knn_bank_limit must be >= 1 or None, got {knn_bank_limit!r}")
-        self.train_transform = MultiCropTransform(
+        if augment_on not in AUGMENT_ON:
+            raise ValueError(
+                f"augment_on must be 'auto', 'cpu' (PIL augmentation in the workers) or 'device' (photometric "
+                f"part batched on the training device), got {augment_on!r}"
+            )
+        # Both halves are built in every mode: each validates the arguments it must honour.
+        cpu_transform = MultiCropTransform(
             global_crops_size=global_crops_size,
             global_crops_scale=global_crops_scale,
             local_crops_number=local_crops_number,
@@ -132,12 +152,52 @@ class DINODataModule(L.LightningDataModule):
             grayscale_prob=grayscale_prob,
             blur_radius=blur_radius,
         )
+        self.crop_config: dict[str, Any] = cpu_transform.config  # every crop setting, resolved (both modes)
+        self.cpu_transform = cpu_transform
+        self.geometry = MultiCropGeometry(
+            global_crops_size=global_crops_size,
+            global_crops_scale=global_crops_scale,
+            local_crops_number=local_crops_number,
+            local_crops_size=local_crops_size,
+            local_crops_scale=local_crops_scale,
+        )
+        self.photometric = PhotometricAugment(
+            color_jitter=color_jitter,
+            color_jitter_prob=color_jitter_prob,
+            grayscale_prob=grayscale_prob,
+            global_blur_probs=global_blur_probs,
+            local_blur_prob=local_blur_prob,
+            global_solarize_probs=global_solarize_probs,
+            local_solarize_prob=local_solarize_prob,
+            blur_radius=blur_radius,
+        )
+        self.augment_on: str = "cpu"
+        self.train_transform: MultiCropTransform | MultiCropGeometry = cpu_transform
+        self.device_augment: PhotometricAugment | None = None
+        self._use_augment_on("cpu" if augment_on == "auto" else augment_on)  # "auto" is resolved in setup()
+        # The device augmentation's own RNG: seeded on first use from the run's seed and the rank, and kept in
+        # the checkpoint (state_dict), so seeded runs repeat and a resumed run draws what the full run drew.
+        self._augment_generator: torch.Generator | None = None
+        self._augment_state: torch.Tensor | None = None
         self.eval_transform = eval_transform(eval_resize, eval_crop)
         self.train_dataset: ImageDataset | None = None
         self.val_dataset: ImageDataset | None = None  # labelled k-NN queries (no transform), or None
         self._val_crops: ImageDataset | None = None  # the val images with the multi-crop transform
         self.knn_unavailable_reason: str | None = None
         self._knn: tuple[ImageDataset, ImageDataset] | None = None
+
+    def _use_augment_on(self, where: str) -> None:
+        self.augment_on = where
+        self.train_transform = self.geometry if where == "device" else self.cpu_transform
+        self.device_augment = self.photometric if where == "device" else None
+
+    def resolve_augment_on(self) -> str:
+        """``augment_on`` with ``auto`` resolved: ``device`` when the trainer runs on an accelerator, else ``cpu``."""
+        if self.hparams.augment_on != "auto":
+            return self.hparams.augment_on
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        device = getattr(strategy, "root_device", None)
+        return "device" if device is not None and device.type != "cpu" else "cpu"
 
     @property
     def num_crops(self) -> int:
@@ -152,6 +212,7 @@ class DINODataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
             return
+        self._use_augment_on(self.resolve_augment_on())
         hp = self.hparams
         val_root = hp.val_root
         if hp.root is None:
@@ -298,6 +359,40 @@ class DINODataModule(L.LightningDataModule):
                 ImageDataset(self.val_dataset.samples, classes, self.eval_transform),
             )
         return self._knn
+
+    # ------------------------------------------------------------------------------- device augmentation
+    def augment_generator(self) -> torch.Generator:
+        """The CPU generator of the device augmentation's parameters (created and seeded on first use)."""
+        if self._augment_generator is None:
+            rank = self.trainer.global_rank if self.trainer is not None else 0
+            generator = torch.Generator()
+            if self._augment_state is not None:
+                generator.set_state(self._augment_state)
+            else:
+                generator.manual_seed(seed_for_rank(torch.initial_seed(), rank))
+            self._augment_generator = generator
+        return self._augment_generator
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With ``augment_on="device"``: the photometric augmentation of a multi-crop batch, on its device."""
+        if self.device_augment is None or not isinstance(batch, (list, tuple)) or not batch:
+            return batch
+        crops = batch[0]
+        if not isinstance(crops, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in crops):
+            return batch
+        augmented = self.device_augment(crops, self.augment_generator())
+        return [augmented, *batch[1:]]
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._augment_generator is None and self._augment_state is None:
+            return {}
+        return {"augment_rng": self.augment_generator().get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("augment_rng")
+        if state is not None:
+            self._augment_state = state
+            self._augment_generator = None
 
     # ------------------------------------------------------------------------------------------ bookkeeping
     @property

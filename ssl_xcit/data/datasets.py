@@ -129,8 +129,10 @@ class ImageDataset(Dataset):
         if bool(self._bad[index]):
             return None
         path, label = self.samples[index]
+        # A transform with its own reader (MultiCropGeometry) decodes only the resolution its crops need.
+        read = getattr(self.transform, "read", None)
         try:
-            image = load_image(path)
+            image = read(path) if read is not None else load_image(path)
         except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, DecompressionBombError...
             self.mark_unreadable(index, err)
             return None

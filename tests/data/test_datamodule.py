@@ -191,7 +191,9 @@ def test_verify_images_count_is_the_readable_one(tmp_path, caplog):
 
 def test_blur_radius_reaches_every_crop_and_is_checked(tmp_path):
     root = str(make_tree(tmp_path / "data"))
-    dm = DINODataModule(root=root, blur_radius=(0.03, 0.57), **SMALL_CROPS)
+    device = DINODataModule(root=root, blur_radius=(0.03, 0.57), **SMALL_CROPS)
+    assert device.crop_config["blur_radius"] == device.photometric.blur_radius == (0.03, 0.57)
+    dm = DINODataModule(root=root, blur_radius=(0.03, 0.57), augment_on="cpu", **SMALL_CROPS)
     assert dm.train_transform.config["blur_radius"] == (0.03, 0.57)
     pipelines = [*dm.train_transform.global_transforms, dm.train_transform.local_transform]
     blurs = [t for p in pipelines for t in _flatten(p) if type(t).__name__ == "GaussianBlur"]
