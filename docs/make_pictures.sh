@@ -6,7 +6,7 @@
 #
 # 1. Trains DINO on flowers5 (80 % of every class; the other 20 % held out for k-NN) at the best settings of
 #    docs/training.md (XCiT-N12/8 cut to 4 blocks, 96-px global / 48-px local crops, batch 32, 6 epochs = 642
-#    steps): about 25-35 min with 1 torch thread on a shared 2-core CPU. The run lands in the folder `fit` prints,
+#    steps): 22 to 60 min on a 2-core CPU, depending on what else it runs. The run lands in the folder `fit` prints,
 #    runs/pictures/version_N (checkpoints/last.ckpt, csv/ metrics).
 # 2. Draws attention, PCA and neighbours from that checkpoint (docs/img/*_trained.png) and from the same
 #    architecture at random initialisation (docs/img/*_random.png), plus the retrieval example and the curves
@@ -53,13 +53,13 @@ PY
 
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
+# 128 px: 16x16 patches of 8 px, near the 96-px crops the run trained on (224 px spreads the maps thinner).
+IMAGES=("$F/sunflower/1008566138_6927679c8a.jpg" "$F/daisy/100080576_f52e8ee070_n.jpg"
+    "$F/tulip/100930342_92e8746431_n.jpg" "$F/rose/10090824183_d02c613f10_m.jpg")
 for which in trained random; do
     if [[ $which == trained ]]; then W=$CKPT; else W=$RANDOM_INIT; fi
-    "${V[@]}" attention --weights "$W" --size 224 --no-progress --out "$TMP" --dpi 60 \
-        "$F/sunflower/1008566138_6927679c8a.jpg" "$F/daisy/100080576_f52e8ee070_n.jpg"
-    "${V[@]}" pca --weights "$W" --size 224 --no-progress --out "$TMP" --dpi 60 \
-        "$F/sunflower/1008566138_6927679c8a.jpg" "$F/daisy/100080576_f52e8ee070_n.jpg" \
-        "$F/tulip/100930342_92e8746431_n.jpg"
+    "${V[@]}" attention --weights "$W" --size 128 --no-progress --out "$TMP" --dpi 60 "${IMAGES[@]}"
+    "${V[@]}" pca --weights "$W" --size 128 --no-progress --out "$TMP" --dpi 60 "${IMAGES[@]}"
     "${V[@]}" neighbours --weights "$W" --train "$F" --per-class 40 --queries "$F" --num-queries 3 --k 6 \
         --size 96 --no-progress --out "$TMP" --dpi 50
     for kind in attention pca neighbours; do mv "$TMP/$kind.png" "$OUT/${kind}_$which.png"; done
