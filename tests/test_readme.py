@@ -1,9 +1,12 @@
-"""Every ``bash`` command of the README runs, shrunk to seconds, so the docs cannot drift from the code.
+"""Every command of the README and of docs/*.md runs, shrunk to seconds, so the docs cannot drift from the code.
 
-The commands are parsed from README.md (whatever is there), run in order in one scratch folder (a command may
-use what an earlier one wrote: ``--ckpt_path last``, the exported ``teacher.pth``), with the README's
-placeholder paths mapped onto tiny data from ``../shared/data`` and the per-command overrides of ``SHRINK``
-appended (later flags win). A command the table does not know fails the test: add its row when you add it.
+The pages are README.md, then docs/getting-started.md, then every other docs/*.md, found by globbing. Their
+``bash`` blocks, the ``ssl-xcit ...`` code spans of their tables and their ``python`` blocks run in page order in
+one scratch folder (a command may use what an earlier one wrote: ``--ckpt_path last``, the exported
+``teacher.pth``), with the pages' placeholder paths mapped onto tiny data from ``../shared/data`` and the
+per-command overrides of ``SHRINK`` appended (later flags win). A command the table does not know fails the test,
+naming its page: add its row when you add it. A ``python`` block that is not meant to run is marked with an
+``<!-- excerpt -->`` line just before its fence.
 """
 
 from __future__ import annotations
@@ -13,13 +16,18 @@ import pickle
 import re
 import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from ssl_xcit.cli import main as cli_main
 from ssl_xcit.data import datamodule as dm_module
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = README.parent / "docs"
+EXCERPT = "<!-- excerpt -->"  # the line before a ```python fence that is shown, not run
 
 # Tiny DINO: small crops, a small head, one or two steps (the recipe's structure is what is being tested).
 _TRAIN = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
@@ -51,27 +59,80 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit fit -c eval/linear_xcit\.yaml ", [*_TRAIN, "--data.batch_size=4", "--data.num_workers=0",
                                                    "--data.crop_size=32", "--data.resize_size=32"]),
     (r"^ssl-xcit retrieval ", _RETRIEVAL),
-    (r"^ssl-xcit visualize ", []),  # the README's own small settings (shipped images, nano backbone)
+    (r"^ssl-xcit visualize ", []),  # the pages' own small settings (shipped images, small backbones)
+    (r"^ssl-xcit models$", []),
 ]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Block:
+    """One runnable piece of a page: a shell command or a Python block, with the file it came from."""
+
+    kind: str  # "bash" or "python"
+    text: str
+    source: str
+
+
+def doc_pages() -> list[Path]:
+    """README.md, then docs/getting-started.md, then every other docs/*.md (found, not listed: a new page's
+    commands are run without touching this file)."""
+    pages = sorted(DOCS.glob("*.md"), key=lambda p: (p.name != "getting-started.md", p.name))
+    return [README, *pages]
+
+
+def _commands(line: str) -> list[str]:
+    line = re.sub(r"\s+#.*$", "", line).strip()
+    if not line or line.startswith("#"):
+        return []
+    return [" ".join(part.split()) for part in line.split("&&")]
+
+
+def page_blocks(text: str, source: str) -> list[Block]:
+    """In page order: the commands of every ```bash block (continuation lines joined, comments dropped, each
+    ``a && b`` split in two), every ``ssl-xcit ...`` code span in a table row, and every ```python block not
+    marked with an ``<!-- excerpt -->`` line just before it."""
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        fence = re.match(r"^```(\w*)\s*$", line)
+        if fence:
+            j = i + 1
+            while j < len(lines) and not lines[j].startswith("```"):
+                j += 1
+            body = "\n".join(lines[i + 1 : j]) + "\n"
+            previous = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+            if fence.group(1) == "bash":
+                for command_line in body.replace("\\\n", " ").splitlines():
+                    blocks += [Block("bash", c, source) for c in _commands(command_line)]
+            elif fence.group(1) == "python" and previous != EXCERPT:
+                blocks.append(Block("python", body, source))
+            i = j + 1
+            continue
+        if line.startswith("|"):
+            blocks += [
+                Block("bash", " ".join(s.split()), source) for s in re.findall(r"`(ssl-xcit [^`]+)`", line)
+            ]
+        i += 1
+    return blocks
+
+
+def all_blocks() -> list[Block]:
+    root = README.parent
+    return [b for page in doc_pages() for b in page_blocks(page.read_text(), str(page.relative_to(root)))]
+
+
 def readme_commands(text: str) -> list[str]:
-    """The shell commands of the README's ```bash blocks: continuation lines joined, comments dropped, each
-    ``a && b`` split in two."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.sub(r"\s+#.*$", "", line).strip()
-            if line and not line.startswith("#"):
-                commands += [" ".join(part.split()) for part in line.split("&&")]
-    return commands
+    """The shell commands of a page (see :func:`page_blocks`)."""
+    return [b.text for b in page_blocks(text, "README.md") if b.kind == "bash"]
 
 
-def shrink(command: str) -> list[str] | str:
+def shrink(command: str, source: str = "README.md") -> list[str] | str:
     for pattern, extra in SHRINK:
         if re.search(pattern, command):
             return extra
-    raise AssertionError(f"README command not in tests/test_readme.py SHRINK, add a row for it: {command}")
+    raise AssertionError(f"{source}: command not in tests/test_readme.py SHRINK, add a row for it: {command}")
 
 
 def _image_tree(root: Path, flowers: Path, per_class: int) -> None:
@@ -101,6 +162,8 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
         "imagenet/val": f"{d}/val", "D/train": f"{d}/train", "D/val": f"{d}/val", "my_photos/": f"{d}/train",
         "W": "teacher.pth", "data/roxford5k": str(oxford), "data/holidays": str(shared / "retrieval_mini" / "holidays"),
         "data/train_imgs": str(root / "train_imgs.txt"),
+        # docs/pictures.md draws the run of docs/make_pictures.sh; here the quickstart's stands in for it
+        "runs/pictures/version_0/checkpoints/last.ckpt": "runs/quickstart/version_0/checkpoints/last.ckpt",
     }  # fmt: skip
 
 
@@ -113,25 +176,78 @@ def _local(arg: str, shared: Path) -> str:
     return arg
 
 
-def test_readme_commands_parse_and_every_one_is_known():
-    commands = readme_commands(README.read_text())
-    assert any(c.startswith("ssl-xcit retrieval") for c in commands) and len(commands) >= 15
-    for command in commands:
-        shrink(command)  # raises on a command without a row
+def test_pages_are_discovered_and_every_command_is_known():
+    blocks = all_blocks()
+    sources = {b.source for b in blocks}
+    assert {"README.md", "docs/getting-started.md", "docs/training.md", "docs/pictures.md"} <= sources
+    readme = [b.text for b in blocks if b.source == "README.md" and b.kind == "bash"]
+    for task in ("fit", "validate", "export", "knn", "linear", "retrieval", "visualize", "models"):
+        assert any(c.startswith(f"ssl-xcit {task} ") or c == f"ssl-xcit {task}" for c in readme), task
+    assert any(b.kind == "python" and b.source == "docs/backbones.md" for b in blocks)
+    for block in blocks:
+        if block.kind == "bash":
+            shrink(block.text, block.source)  # raises on a command without a row, naming its page
 
 
-def test_every_readme_command_runs(shared_data, tmp_path, monkeypatch):
+def test_blocks_are_parsed_in_order_and_excerpts_are_skipped():
+    text = """intro
+| a | `ssl-xcit models` |
+
+```bash
+pip install -e . && ssl-xcit fit -c r.yaml \\
+    --trainer.max_epochs 2   # a comment
+# a comment line
+```
+
+<!-- excerpt -->
+```python
+not run
+```
+
+```python
+x = 1
+```
+"""
+    blocks = page_blocks(text, "docs/x.md")
+    assert [(b.kind, b.text) for b in blocks] == [
+        ("bash", "ssl-xcit models"),
+        ("bash", "pip install -e ."),
+        ("bash", "ssl-xcit fit -c r.yaml --trainer.max_epochs 2"),
+        ("python", "x = 1\n"),
+    ]
+    assert {b.source for b in blocks} == {"docs/x.md"}
+
+
+def test_an_unknown_command_names_its_page():
+    with pytest.raises(
+        AssertionError, match=r"docs/new\.md: command not in tests/test_readme\.py SHRINK.*ssl-xcit nope"
+    ):
+        shrink("ssl-xcit nope --x", "docs/new.md")
+
+
+def test_every_page_command_runs(shared_data, tmp_path, monkeypatch):
     # The built-in dataset's wiring with 60 images instead of 2,500 (generation is tested in tests/data).
     monkeypatch.setattr(dm_module, "ensure_synthetic_dataset", lambda: ensure_synthetic_dataset(
         num_train_per_class=4, num_val_per_class=2))  # fmt: skip
     paths = _workspace(tmp_path / "data", shared_data)
-    for folder in ("recipes", "eval"):  # the README's relative config paths
+    for folder in ("recipes", "eval"):  # the pages' relative config paths
         (tmp_path / folder).symlink_to(README.parent / folder)
     monkeypatch.chdir(tmp_path)
     previous: dict[str, list[str]] = {}
     done = set()
-    for command in readme_commands(README.read_text()):
-        extra = shrink(command)
+    ran_python = []
+    for block in all_blocks():
+        if block.kind == "python":
+            try:
+                exec(
+                    compile(block.text, f"<python block of {block.source}>", "exec"), {"__name__": "__main__"}
+                )
+            except Exception as err:
+                raise AssertionError(f"{block.source}: python block failed:\n{block.text}") from err
+            ran_python.append(block.source)
+            continue
+        command = block.text
+        extra = shrink(command, block.source)
         if isinstance(extra, str) or command in done:  # not runnable here, or already run (same command)
             continue
         done.add(command)
@@ -144,12 +260,15 @@ def test_every_readme_command_runs(shared_data, tmp_path, monkeypatch):
         try:
             cli_main(argv)
         except SystemExit as err:  # a parse error ends with SystemExit; 0/None is a clean exit
-            assert err.code in (0, None), f"README command failed: {command}"
+            assert err.code in (0, None), f"{block.source}: command failed: {command}"
         except Exception as err:
-            raise AssertionError(f"README command failed: {command}\n  ran: {shlex.join(argv)}") from err
-    assert len(done) >= 15  # every ssl-xcit command of the README ran
+            raise AssertionError(
+                f"{block.source}: command failed: {command}\n  ran: {shlex.join(argv)}"
+            ) from err
+    assert len(done) >= 22 and "docs/backbones.md" in ran_python
     assert Path("teacher.pth").is_file() and json.loads(Path("knn.json").read_text())["results"]
     assert json.loads(Path("results/roxf_vlad.json").read_text())["metrics"]["medium"]["n_queries"] == 1
     assert sorted(p.name for p in Path("runs/quickstart").iterdir()) == [
         "version_0"
     ]  # resumed, not restarted
+    assert {p.name for p in Path("docs/img").glob("*.png")} >= {"attention.png", "pca.png", "neighbours.png"}

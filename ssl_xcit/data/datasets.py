@@ -42,7 +42,7 @@ def load_image(
     """Decode ``path`` fully into an RGB PIL image, applying the EXIF orientation (unless told not to).
 
     ``draft=(width, height)`` lets a JPEG decode at the smallest DCT scale (1/2, 1/4, 1/8) whose size still
-    covers it: a 3264x2448 photo wanted at 768 px decodes about 8x faster. The one image decoder of the package.
+    covers it, which is several times faster for large photos. The one image decoder of the package.
     """
     with Image.open(path) as image:
         if draft is not None and image.format == "JPEG":

@@ -62,9 +62,8 @@ class GaussianBlur(v2.Transform):
 
     DINO blurred PIL images with ``ImageFilter.GaussianBlur(radius)``, where Pillow's ``radius`` IS the standard
     deviation (Pillow docs), so sigma = radius with no conversion. PIL images are blurred with that very filter:
-    it runs extended box filters whose cost does not grow with sigma, and measured 1.7 ms per 224x224 crop
-    against 14 ms for ``v2.GaussianBlur(13, ...)``, whose dense 13x13 convolution dominated the whole pipeline
-    (``benchmarks/bench_dataloading.py --compare-blur`` prints both). Tensors go through ``v2.functional.gaussian_blur``
+    it runs extended box filters whose cost does not grow with sigma, unlike the dense 13x13 convolution of
+    ``v2.GaussianBlur(13, ...)`` (``benchmarks/bench_dataloading.py --compare-blur``; docs/benchmarks.md). Tensors go through ``v2.functional.gaussian_blur``
     with an odd kernel of ``2 * ceil(3 sigma) + 1`` taps: +-3 sigma keeps 99.7 % of the Gaussian's mass, so the
     truncation is invisible on 8-bit images, and a kernel sized per draw keeps small blurs cheap.
     """
@@ -106,8 +105,8 @@ def _crop_pipeline(
     mean: Sequence[float],
     std: Sequence[float],
 ) -> v2.Compose:
-    # The augmentations run on PIL images, as in the reference: PIL's colour ops measured ~1.7x faster than the
-    # tensor kernels on 224-px crops, and solarize at 128 on uint8 is exactly ImageOps.solarize's default.
+    # The augmentations run on PIL images, as in the reference: PIL's colour ops are faster than the tensor
+    # kernels on 224-px crops (docs/benchmarks.md), and solarize at 128 on uint8 is exactly ImageOps.solarize's default.
     steps: list[Any] = [
         v2.RandomResizedCrop(size, scale=scale, interpolation=interpolation, antialias=True),
         v2.RandomHorizontalFlip(p=flip_prob),

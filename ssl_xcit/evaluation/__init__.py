@@ -1,7 +1,9 @@
 """Frozen-feature evaluation: weighted k-NN (DINO protocol), linear probe, and the feature cache they share.
 
-``knn`` and ``cache`` import only torch/numpy; ``features`` and ``linear`` pull in Lightning and are imported on
-use (``from ssl_xcit.evaluation.features import extract_features``).
+Importing this package loads neither Lightning nor faiss: ``knn`` imports torch and numpy (faiss only for
+``backend="faiss"``), ``cache`` torch and timm (timm's version is part of every cache key). ``features`` and
+``linear`` pull in Lightning and are imported on use (``from ssl_xcit.evaluation.features import
+extract_features``).
 """
 
 from __future__ import annotations

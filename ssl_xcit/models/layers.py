@@ -3,15 +3,14 @@
 Module and parameter names follow timm's ``xcit`` so that its state dicts load with ``strict=True``. timm's
 modules are used where ours would only duplicate them: the convolutional patch embedding (timm's
 ``ConvPatchEmbed``), ``Mlp`` and ``DropPath``. Ours remain where ``benchmarks/bench_xcit.py`` measures them faster
-than timm's, or where the backbone interface needs something timm's lacks:
+than timm's (docs/benchmarks.md), or where the backbone interface needs something timm's lacks:
 
 * :class:`PositionalEncodingFourier` computes the encoding once per grid and broadcasts it over the batch
   (timm's builds and projects it per image);
 * :class:`ClassAttention` / :class:`ClassAttentionBlock` can return the attention weights, which
   ``get_attention_maps`` needs and timm's fused class attention does not expose.
 
-The two measured departures from timm's arithmetic (not from its results), for speed and memory on long token
-sequences (README: XCA 0.98 / 0.88 / 0.93 and LPI 0.99 / 1.00 / 0.49 of timm's time at 36 / 196 / 1,024 tokens):
+Two departures from timm's arithmetic (not from its results), for speed and memory on long token sequences:
 
 * :class:`XCA` never materialises L2-normalised copies of q and k. It forms the raw d x d Gram matrix and divides by
   the outer product of the per-channel token norms. When there are more tokens than channels it also folds the
@@ -77,8 +76,8 @@ class PositionalEncodingFourier(nn.Module):
 def conv_patch_embed(patch_size: int = 16, in_chans: int = 3, embed_dim: int = 768) -> nn.Module:
     """timm's XCiT convolutional patch embedding (stride-2 3x3 conv + BN, x4 for patch 16, x3 for patch 8).
 
-    timm's module is used as is (a channels-last stem of our own measured no faster); only the patch-size check
-    is ours, because timm raises a bare TypeError for other sizes.
+    timm's module is used as is; only the patch-size check is ours, because timm raises a bare TypeError for
+    other sizes.
     """
     if patch_size not in (8, 16):
         raise ValueError(

@@ -1,6 +1,6 @@
 """Images for retrieval: training-set listing, the scaling convention, and the dataset that applies it.
 
-Image scaling convention (one rule for every benchmark, documented in the README):
+Image scaling convention (one rule for every benchmark, documented in docs/retrieval.md):
 
 * An image is resized so that its longer side is ``resolution`` pixels (up or down), keeping the aspect ratio;
   each side is then rounded to the NEAREST multiple of the patch size (at least one patch). The aspect ratio is

@@ -31,7 +31,7 @@ def test_four_epochs_of_dino_beat_random_init_on_flowers(shared_data, tmp_path, 
     bank_ds, query_ds = dm.knn_datasets()
     L.seed_everything(0, verbose=False)
     recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())["model"]["init_args"]
-    # The quickstart's settings with the lr and momentum that measured best on flowers5 (README table).
+    # The quickstart's settings with the lr and momentum that measured best on flowers5 (docs/training.md).
     model = DINO(**{**recipe, "lr": 0.004, "momentum_teacher": 0.99})
     initial = {k: v.clone() for k, v in model.teacher.backbone.state_dict().items()}
     model.teacher.backbone.eval()  # the old pitfall: this used to persist through fit

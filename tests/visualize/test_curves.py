@@ -9,8 +9,7 @@ import pytest
 from ssl_xcit.visualize.common import VisualizeError
 from ssl_xcit.visualize.curves import collapse_regions, curves_figure, read_metrics
 
-# The README's measured 4-epoch quickstart run (124 steps).
-FIXTURE = Path(__file__).parent / "data" / "quickstart_run"
+FIXTURE = Path(__file__).parent / "data" / "quickstart_run"  # the measured 4-epoch quickstart (124 steps)
 
 
 def _write(tmp_path, entropy, kl, out_dim=None):
@@ -39,8 +38,7 @@ def test_the_real_run_fixture_reads_every_panel():
         assert column in metrics.series
     steps, top1 = metrics.series["knn/top1"]
     assert steps[0] == 0 and len(steps) == 5  # before training, then after each of the 4 epochs
-    # The README's quickstart curve.
-    assert [round(float(v), 1) for v in top1] == [17.2, 36.0, 47.4, 53.8, 55.0]
+    assert [round(float(v), 1) for v in top1] == [17.2, 36.0, 47.4, 53.8, 55.0]  # the quickstart curve
     fig = curves_figure(metrics)
     fig.canvas.draw()
     pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3]
