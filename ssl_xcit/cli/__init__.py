@@ -46,6 +46,11 @@ def main(argv: Sequence[str] | None = None) -> object:
         if not args:
             raise SystemExit(2)
         return None
+    # --trust-checkpoint: every checkpoint this command reads may be fully unpickled (it can run code).
+    from ssl_xcit.models import checkpoint
+
+    checkpoint.TRUST_FROM_CLI = "--trust-checkpoint" in args
+    args = [a for a in args if a != "--trust-checkpoint"]
     command = args[0]
     if command not in COMMANDS:
         raise SystemExit(f"ssl-xcit: unknown command {command!r}; valid commands: {', '.join(COMMANDS)}")

@@ -43,12 +43,12 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
     """Write the teacher backbone of ``checkpoint_path`` and its name and ``backbone_kwargs`` to ``out_path``
     (atomically); returns (path, model name). The state dict is loaded strictly into a freshly built model
     first, so a bad export never lands."""
-    from ssl_xcit.models import create_model
+    from ssl_xcit.models import create_model, read_checkpoint
 
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint_path} does not exist")
-    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    checkpoint = read_checkpoint(checkpoint_path)
     state = teacher_backbone_state(checkpoint, str(checkpoint_path))
     hparams = checkpoint.get("hyper_parameters") or {}
     name = hparams.get("backbone")

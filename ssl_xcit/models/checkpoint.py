@@ -51,22 +51,64 @@ class LoadReport:
         )
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """``torch.load`` on CPU with a clear error for a missing or unreadable file."""
+# Set by the command line's ``--trust-checkpoint`` (``ssl_xcit.cli``); Python callers pass ``trust=True``.
+TRUST_FROM_CLI = False
+
+
+def _safe_globals() -> list[Any]:
+    """The few non-tensor types real checkpoints hold, allowed in the weights-only unpickler: official DINO's
+    ``args`` (``argparse.Namespace``) and Lightning's hyper-parameter containers. Anything else (a class, a
+    function, ``os.system``) is refused, so opening a checkpoint cannot run code."""
+    import argparse
+
+    allowed: list[Any] = [argparse.Namespace]
+    try:
+        from lightning.fabric.utilities.data import AttributeDict
+
+        allowed.append(AttributeDict)
+    except ImportError:  # pragma: no cover - lightning is a dependency
+        pass
+    return allowed
+
+
+def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, Any]:
+    """``torch.load`` on CPU with torch's weights-only unpickler and an allow-list (:func:`_safe_globals`).
+
+    Args:
+        path: the checkpoint file.
+        trust: unpickle fully when the safe load refuses the file. Only for files you trust: a pickle can run
+            any code. The command line's ``--trust-checkpoint`` sets it for every checkpoint a command reads.
+
+    Returns:
+        The loaded object. Raises ``FileNotFoundError`` for a missing file and a one-line ``ValueError`` naming
+        the file, the refused content and ``--trust-checkpoint`` when the safe load refuses it.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as safe_error:  # noqa: BLE001 - retried below with a full unpickler
-        # Lightning checkpoints can hold pickled hyper-parameters (paths, enums) that the weights-only unpickler
-        # refuses. The user named this file explicitly, so the full unpickler is acceptable here.
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as error:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as safe_error:  # noqa: BLE001 - reported below, or retried only when trusted
+        found = re.search(r"Unsupported (?:global: GLOBAL (\S+)|operand)", str(safe_error))
+        if found is None:  # not a refused object: a corrupt or truncated file, which trust cannot mend
+            raise ValueError(f"cannot read checkpoint {path}: {safe_error}") from safe_error
+        held = found.group(1) or "pickle instructions"
+        if not (trust or TRUST_FROM_CLI):
             raise ValueError(
-                f"cannot read checkpoint {path}: {error} (weights-only load said: {safe_error})"
-            ) from error
+                f"refusing to unpickle checkpoint {path}: it holds {held}, outside the weights-only "
+                "allow-list, and "
+                "loading it could run code. "
+                "If you trust the file, pass --trust-checkpoint (trust=True in Python)"
+            ) from safe_error
+    warnings.warn(
+        f"unpickling {path} with the full unpickler (--trust-checkpoint): it can run code",
+        stacklevel=2,
+    )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise ValueError(f"cannot read checkpoint {path}: {error}") from error
 
 
 def _is_tensor_dict(obj: Any) -> bool:
@@ -131,7 +173,7 @@ def convert_state_dict(
 
 
 def load_pretrained(
-    model: Backbone, source: str | os.PathLike | Mapping[str, Any], strict: bool = True
+    model: Backbone, source: str | os.PathLike | Mapping[str, Any], strict: bool = True, trust: bool = False
 ) -> LoadReport:
     """Load weights from a path or a checkpoint dict into ``model``.
 
@@ -139,7 +181,7 @@ def load_pretrained(
     mismatch, and (with ``strict``) ``ValueError`` naming the missing and unexpected keys.
     """
     label = str(source) if isinstance(source, (str, os.PathLike)) else "state dict"
-    checkpoint = read_checkpoint(source) if isinstance(source, (str, os.PathLike)) else source
+    checkpoint = read_checkpoint(source, trust) if isinstance(source, (str, os.PathLike)) else source
     raw, _ = extract_state_dict(checkpoint)
     state, dropped = convert_state_dict(raw, model)
     family = infer_family(state)
@@ -234,7 +276,9 @@ def _describe(name: str, overrides: Mapping[str, Any]) -> str:
     return name + "".join(f" with {k}={v}" for k, v in sorted(overrides.items()))
 
 
-def build_backbone(weights: str | os.PathLike | None, name: str | None = None, **overrides) -> Backbone:
+def build_backbone(
+    weights: str | os.PathLike | None, name: str | None = None, trust: bool = False, **overrides
+) -> Backbone:
     """Build a backbone and load ``weights`` into it.
 
     The architecture is ``name`` if given, else the one recorded in the checkpoint (``backbone`` and
@@ -246,7 +290,7 @@ def build_backbone(weights: str | os.PathLike | None, name: str | None = None, *
         if name is None:
             raise ValueError("build_backbone needs a model name when no weights are given")
         return create_model(name, **overrides)
-    checkpoint = read_checkpoint(weights)
+    checkpoint = read_checkpoint(weights, trust)
     state, hinted = extract_state_dict(checkpoint)
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
     hinted_kwargs = dict((hparams or {}).get("backbone_kwargs") or {}) if hinted else {}
