@@ -22,8 +22,6 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("ssl_xcit.cli.train", "main"),
     "validate": ("ssl_xcit.cli.train", "main"),
-    "test": ("ssl_xcit.cli.train", "main"),
-    "predict": ("ssl_xcit.cli.train", "main"),
     "export": ("ssl_xcit.cli.export", "main"),
     "knn": ("ssl_xcit.cli.knn", "main"),
     "linear": ("ssl_xcit.cli.linear", "main"),
@@ -31,7 +29,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("ssl_xcit.cli.models", "main"),
     "visualize": ("ssl_xcit.cli.visualize", "main"),
 }
-LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# Lightning's `test` and `predict` are not offered: no recipe's module has a test or predict step, so they could
+# only fail after loading everything; `validate` is the held-out evaluation of a DINO run.
+LIGHTNING_SUBCOMMANDS = ("fit", "validate")
 
 
 def _usage() -> str:

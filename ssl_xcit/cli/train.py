@@ -1,4 +1,4 @@
-"""``ssl-xcit fit|validate|test|predict -c CONFIG.yaml``: LightningCLI over any LightningModule/DataModule.
+"""``ssl-xcit fit|validate -c CONFIG.yaml``: LightningCLI over any LightningModule/DataModule.
 
 Subclass mode: a config names its model and data classes (``class_path``), so the DINO recipes
 (``ssl_xcit.dino.module.DINO`` + ``ssl_xcit.data.DINODataModule``) and the linear-probe configs of

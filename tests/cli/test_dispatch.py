@@ -142,3 +142,11 @@ def test_no_installed_distribution_takes_the_lightning_script_from_us():
         if ep.group == "console_scripts" and ep.name == "lightning"
     }
     assert owners <= {("ssl-xcit", "ssl_xcit.cli:console_main")}, owners
+
+
+@pytest.mark.parametrize("command", ["test", "predict"])
+def test_unimplemented_lightning_subcommands_are_not_offered(command, capsys):
+    with pytest.raises(
+        SystemExit, match=rf"unknown command '{command}'; valid commands: fit, validate, export"
+    ):
+        main([command, "-c", "recipes/quickstart.yaml"])
