@@ -90,16 +90,22 @@ def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, A
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as safe_error:  # noqa: BLE001 - reported below, or retried only when trusted
-        found = re.search(r"Unsupported (?:global: GLOBAL (\S+)|operand)", str(safe_error))
-        if found is None:  # not a refused object: a corrupt or truncated file, which trust cannot mend
+        text = str(safe_error)
+        found = re.search(r"GLOBAL (\S+)", text)
+        opcode = re.search(r"Unsupported operand (\d+)", text)
+        if found is None and opcode is None:  # a truncated or non-pickle file: trust cannot mend it
             raise ValueError(f"cannot read checkpoint {path}: {safe_error}") from safe_error
-        held = found.group(1) or "pickle instructions"
         if not (trust or TRUST_FROM_CLI):
+            if found is None:  # a pickle instruction the safe loader refuses, or simply a corrupt file
+                raise ValueError(
+                    f"cannot read checkpoint {path}: the weights-only loader refuses its pickle instruction "
+                    f"{opcode.group(1)} (a corrupt file, or a pickle that could run code); if you trust the file, "
+                    "pass --trust-checkpoint (trust=True in Python)"
+                ) from safe_error
             raise ValueError(
-                f"refusing to unpickle checkpoint {path}: it holds {held}, outside the weights-only "
-                "allow-list, and "
-                "loading it could run code. "
-                "If you trust the file, pass --trust-checkpoint (trust=True in Python)"
+                f"refusing to unpickle checkpoint {path}: it holds {found.group(1)}, outside the weights-only "
+                "allow-list, and loading it could run code. If you trust the file, pass --trust-checkpoint "
+                "(trust=True in Python)"
             ) from safe_error
     warnings.warn(
         f"unpickling {path} with the full unpickler (--trust-checkpoint): it can run code",
