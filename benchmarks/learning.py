@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-set", action="append", default=[], metavar="KEY=VALUE", help="datamodule argument")
     p.add_argument("--json", default=None, help="append the result to this JSON-lines file")
     p.add_argument("--tag", default="", help="a name for this run in the table")
+    p.add_argument("--save", default=None, help="write the trained teacher backbone's state dict here (.pth)")
     return p.parse_args(argv)
 
 
@@ -177,6 +178,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"k-NN DINO {result['knn_dino']:.2f} random {result['knn_random_init']:.2f} "
         f"pixels {pixels:.2f} student {student_top1:.2f} | entropy {result['final_entropy']:.3f} KL {result['final_kl_to_uniform']:.3f}"
     )
+    if args.save:
+        # A plain state dict: `build_backbone(path)` infers the variant, so retrieval benchmarks can load it.
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model.teacher.backbone.state_dict(), args.save)
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -58,6 +58,8 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
         )
     kwargs = dict(hparams.get("backbone_kwargs") or {})
     model = create_model(name, **kwargs)
+    # iBOT's mask token is a training input, not part of the network one evaluates: the export leaves it out.
+    state.pop("mask_token", None)
     model.load_state_dict(state, strict=True)
     # Plain contiguous CPU tensors, in the model's own key order.
     plain = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}

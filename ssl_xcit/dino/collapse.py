@@ -10,6 +10,9 @@ DINO has two failure modes that its loss hides (the loss of a collapsed run is f
 A healthy teacher is confident per sample (entropy well below ln K) and spread over the batch (KL well below
 ln K). The guard watches both signals of every training step and reports a mode only once it has held for
 ``patience`` consecutive steps after ``grace_steps`` (a random-init teacher starts near uniform).
+
+With iBOT's masked patch term on, the patch targets are watched the same way, as a second term (``ibot``): its
+teacher can collapse on its own while the CLS term stays healthy.
 """
 
 from __future__ import annotations
@@ -46,13 +49,25 @@ def collapse_mode(
     return None
 
 
-def _gather_signals(trainer: Trainer, signals: tuple[float, float]) -> list[tuple[float, float]]:
-    """``(entropy, KL)`` of every rank, in rank order (one small all-gather under DDP)."""
+def _gather_signals(trainer: Trainer, signals: list[float]) -> list[list[float]]:
+    """Every rank's flat list of signals, in rank order (one small all-gather under DDP)."""
     if trainer.world_size == 1:
-        return [(float(signals[0]), float(signals[1]))]
-    local = torch.tensor([float(signals[0]), float(signals[1])], dtype=torch.float64)
+        return [[float(v) for v in signals]]
+    local = torch.tensor([float(v) for v in signals], dtype=torch.float64)
     gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device))
-    return [(float(e), float(k)) for e, k in gathered.reshape(-1, 2).cpu().tolist()]
+    return gathered.reshape(-1, len(signals)).cpu().tolist()
+
+
+def _terms(pl_module: LightningModule) -> list[tuple[str, tuple[float, float], int]]:
+    """``(name, (entropy, KL), K)`` of each watched term: DINO's, and iBOT's patch term when it runs."""
+    terms = []
+    signals = getattr(pl_module, "last_collapse_signals", None)
+    if signals is not None:
+        terms.append(("dino", signals, pl_module.hparams.out_dim))
+    patch = getattr(pl_module, "last_patch_collapse_signals", None)
+    if patch is not None:
+        terms.append(("ibot", patch, pl_module.ibot_out_dim))
+    return terms
 
 
 class CollapseGuard(Callback):
@@ -63,9 +78,10 @@ class CollapseGuard(Callback):
         patience: consecutive training steps a mode must hold.
         grace_steps: steps ignored at the start, while a random-init teacher is still near uniform.
 
-    Logs ``collapse/uniform`` and ``collapse/one_prototype`` (1 while the mode holds); ``events`` keeps
-    ``{"mode", "step", "entropy", "kl_to_uniform"}`` per detection, plus ``"ranks"`` (those showing the mode)
-    under DDP. The signals are gathered from every rank, so all ranks warn and stop on the same step.
+    Logs ``collapse/uniform`` and ``collapse/one_prototype`` (1 while the mode holds; ``collapse/ibot_*`` for
+    the patch term); ``events`` keeps ``{"mode", "step", "entropy", "kl_to_uniform"}`` per detection (plus
+    ``"term": "ibot"`` for the patch term), and ``"ranks"`` (those showing the mode) under DDP. The signals
+    are gathered from every rank, so all ranks warn and stop on the same step.
     """
 
     def __init__(
@@ -78,42 +94,65 @@ class CollapseGuard(Callback):
             raise ValueError(f"collapse guard patience must be >= 1, got {patience}")
         self.action, self.patience, self.grace_steps = action, patience, grace_steps
         self.events: list[dict[str, Any]] = []
-        self._run: dict[str, int] = {"uniform": 0, "one_prototype": 0}
+        self._run: dict[str, int] = {}
         self._reported: set[str] = set()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        signals = getattr(pl_module, "last_collapse_signals", None)
-        if self.action == "off" or signals is None or trainer.global_step < self.grace_steps:
+        terms = _terms(pl_module)
+        if self.action == "off" or not terms or trainer.global_step < self.grace_steps:
             return
-        out_dim = pl_module.hparams.out_dim
         # Every rank sees every rank's signals and takes the same decision: a rank that stopped alone would
         # leave the others waiting in the next collective, and a collapse seen only on rank 3 must still be
         # reported (by rank 0). A mode holds when any rank shows it.
-        per_rank = _gather_signals(trainer, signals)
-        modes = [collapse_mode(entropy, kl, out_dim) for entropy, kl in per_rank]
-        for name in self._run:
-            held = name in modes
-            self._run[name] = self._run[name] + 1 if held else 0
-            pl_module.log(f"collapse/{name}", float(held), on_step=True, on_epoch=False)
-        due = [
-            m for m in self._run if self._run[m] >= self.patience and m in modes and m not in self._reported
-        ]
-        if not due:
-            return
-        mode = due[0]
+        flat = [v for _, signals, _ in terms for v in signals]
+        per_rank = _gather_signals(trainer, flat)
+        for t, (term, _, out_dim) in enumerate(terms):
+            signals = [(row[2 * t], row[2 * t + 1]) for row in per_rank]
+            modes = [collapse_mode(entropy, kl, out_dim) for entropy, kl in signals]
+            prefix = "" if term == "dino" else f"{term}_"
+            for name in ("uniform", "one_prototype"):
+                key = prefix + name
+                held = name in modes
+                self._run[key] = self._run.get(key, 0) + 1 if held else 0
+                pl_module.log(f"collapse/{key}", float(held), on_step=True, on_epoch=False)
+            due = [
+                m
+                for m in ("uniform", "one_prototype")
+                if self._run[prefix + m] >= self.patience and m in modes and prefix + m not in self._reported
+            ]
+            if due:
+                self._report(trainer, term, due[0], modes, signals, out_dim)
+
+    def _report(
+        self,
+        trainer: Trainer,
+        term: str,
+        mode: str,
+        modes: list[str | None],
+        signals: list[tuple[float, float]],
+        out_dim: int,
+    ) -> None:
         rank = modes.index(mode)
-        entropy, kl = per_rank[rank]
-        self._reported.add(mode)
-        event = {"mode": mode, "step": trainer.global_step, "entropy": entropy, "kl_to_uniform": kl}
-        if len(per_rank) > 1:
+        entropy, kl = signals[rank]
+        self._reported.add(mode if term == "dino" else f"{term}_{mode}")
+        event: dict[str, Any] = {
+            "mode": mode,
+            "step": trainer.global_step,
+            "entropy": entropy,
+            "kl_to_uniform": kl,
+        }
+        if term != "dino":
+            event["term"] = term
+        if len(signals) > 1:
             event["ranks"] = [r for r, m in enumerate(modes) if m == mode]
         self.events.append(event)
         where = ""
         if "ranks" in event:
             shown = event["ranks"]
             where = f" on rank{'s' * (len(shown) > 1)} {', '.join(map(str, shown))}"
+        what = "DINO teacher" if term == "dino" else "iBOT patch teacher"
         message = (
-            f"DINO teacher collapse ({mode.replace('_', ' ')}) for {self.patience} steps at step "
+            f"{what} collapse ({mode.replace('_', ' ')}) for {self.patience} steps at step "
             f"{trainer.global_step}{where}: teacher entropy {entropy:.3f} (ln K = {math.log(out_dim):.3f}), "
             f"KL to uniform {kl:.4f}. Try {REMEDIES[mode]}."
         )

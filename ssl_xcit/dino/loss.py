@@ -131,14 +131,22 @@ class DINOLoss(nn.Module):
     @torch.no_grad()
     def update_center(self, teacher_output: torch.Tensor) -> None:
         """EMA of the mean teacher logit over the global batch (all processes)."""
-        batch_center = teacher_output.float().sum(dim=0, keepdim=True)
-        count = torch.tensor([float(teacher_output.shape[0])], device=teacher_output.device)
-        if _dist_ready():
-            # Sum the counts too, so ranks with unequal last batches still give the exact global mean.
-            dist.all_reduce(batch_center)
-            dist.all_reduce(count)
-        batch_center = batch_center / count
-        self.center.mul_(self.center_momentum).add_(batch_center, alpha=1 - self.center_momentum)
+        ema_center_(self.center, teacher_output, self.center_momentum)
+
+
+@torch.no_grad()
+def ema_center_(center: torch.Tensor, teacher_output: torch.Tensor, momentum: float) -> None:
+    """``center`` <- momentum * center + (1 - momentum) * mean row of ``teacher_output`` over all processes.
+    A process with no rows still takes part in the all-reduce (it adds nothing)."""
+    batch_center = teacher_output.float().sum(dim=0, keepdim=True)
+    count = torch.tensor([float(teacher_output.shape[0])], device=teacher_output.device)
+    if _dist_ready():
+        # Sum the counts too, so ranks with unequal last batches still give the exact global mean.
+        dist.all_reduce(batch_center)
+        dist.all_reduce(count)
+    updated = center * momentum + (batch_center / count.clamp_min(1)) * (1 - momentum)
+    # torch.where, not an `if` on the count: no host sync per step on an accelerator.
+    center.copy_(torch.where(count > 0, updated, center))
 
 
 @torch.no_grad()
@@ -152,7 +160,8 @@ def sinkhorn_knopp(scores: torch.Tensor, iterations: int = 3) -> torch.Tensor:
     # float64: exp() of a logit spread of 2 / 0.01 (normalised features, a sharp teacher) would underflow fp32.
     out_dtype = scores.dtype
     scores = scores.double()
-    peak = scores.max().reshape(1)
+    # A process with no rows (no masked patch) still joins every all-reduce, with neutral values.
+    peak = scores.max().reshape(1) if scores.numel() else scores.new_full((1,), -torch.inf)
     if _dist_ready():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # Subtracting one global constant changes nothing after normalisation and keeps exp() finite.

@@ -5,7 +5,9 @@ One training step, top to bottom (``main_dino.py:train_one_epoch``):
 1. set lr (all groups) and weight decay (group 0 only) from the per-iteration schedules at ``global_step``;
 2. teacher forward on the 2 global crops (no grad, train mode), student forward on all crops, batched
    by resolution (one backbone pass per crop size), DINO loss (+ centre update), plus ``koleo_weight`` x
-   DINOv2's KoLeo term on the student's global-crop embeddings when that weight is > 0;
+   DINOv2's KoLeo term on the student's global-crop embeddings when that weight is > 0, plus
+   ``ibot_loss_weight`` x iBOT's masked patch term when that weight is > 0 (half of the student's global
+   crops get block masks; the teacher sees them unmasked; ``ssl_xcit.dino.ibot_loss``);
 3. stop with a clear error on a NaN/Inf loss;
 4. backward; per-parameter gradient clipping; last-layer gradients dropped while epoch < freeze_last_layer;
    optimiser step;
@@ -31,8 +33,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.data.datasets import EmptyBatch
 from ssl_xcit.dino.head import DINOHead
+from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.loss import DINOLoss
+from ssl_xcit.dino.masking import BlockMaskGenerator, sample_masks
 from ssl_xcit.dino.multicrop import MultiCropWrapper, buffers_preserved, crops_from_batch
 from ssl_xcit.dino.optim import (
     build_optimizer,
@@ -92,6 +96,14 @@ class DINO(LightningModule):
         koleo_weight: weight of DINOv2's KoLeo regulariser on the student's global-crop embeddings (0 = off,
             as in DINO; DINOv2 uses 0.1). It spreads the batch apart, which small data needs to escape the
             uniform collapse (``ssl_xcit.dino.koleo``).
+        ibot_loss_weight: weight of iBOT's masked patch distillation (0 = off, as in DINO; DINOv2 uses 1.0).
+            It trains the patch tokens that VLAD/ASMK retrieve with; XCiT, ViT and CaiT only (docs/ibot.md).
+        ibot_separate_head: a patch head of its own (DINOv2) or the DINO head shared (iBOT).
+        ibot_out_dim: prototypes of the patch head (None: ``out_dim``, as DINOv2's 65536 for both).
+        ibot_warmup_teacher_temp, ibot_teacher_temp, ibot_warmup_teacher_temp_epochs: the patch term's own
+            teacher temperature schedule (None: the DINO term's value, as in DINOv2).
+        mask_ratio_min_max: masked fraction of a masked global crop, uniform in this range (DINOv2: 0.1-0.5).
+        mask_probability: share of the global crops that are masked (DINOv2: 0.5).
     """
 
     def __init__(
@@ -128,6 +140,14 @@ class DINO(LightningModule):
         collapse_patience: int = 50,
         collapse_grace_steps: int = 100,
         koleo_weight: float = 0.0,
+        ibot_loss_weight: float = 0.0,
+        ibot_separate_head: bool = True,
+        ibot_out_dim: int | None = None,
+        ibot_warmup_teacher_temp: float | None = None,
+        ibot_teacher_temp: float | None = None,
+        ibot_warmup_teacher_temp_epochs: int | None = None,
+        mask_ratio_min_max: tuple[float, float] = (0.1, 0.5),
+        mask_probability: float = 0.5,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -138,6 +158,14 @@ class DINO(LightningModule):
             raise ValueError("temperatures must be > 0")
         if not koleo_weight >= 0:
             raise ValueError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {koleo_weight!r}")
+        if not ibot_loss_weight >= 0:
+            raise ValueError(f"ibot_loss_weight must be >= 0 (0 disables iBOT), got {ibot_loss_weight!r}")
+        ibot_out_dim = out_dim if ibot_out_dim is None else ibot_out_dim
+        if ibot_loss_weight > 0 and not ibot_separate_head and ibot_out_dim != out_dim:
+            raise ValueError(
+                f"a shared head has out_dim={out_dim} prototypes, got ibot_out_dim={ibot_out_dim}; "
+                "drop ibot_out_dim or set ibot_separate_head: true"
+            )
 
         kwargs = dict(backbone_kwargs or {})
         student_backbone = create_model(backbone, drop_path_rate=drop_path_rate, **kwargs)
@@ -151,11 +179,21 @@ class DINO(LightningModule):
             hidden_dim=head_hidden_dim,
             bottleneck_dim=head_bottleneck_dim,
         )
+        self.ibot = ibot_loss_weight > 0
+        patch_heads: list[DINOHead | None] = [None, None]
+        if self.ibot:
+            # Both backbones get a mask token and (unless shared) a patch head, so that the teacher mirrors
+            # the student parameter for parameter (EMA, state dicts); the teacher never uses its token.
+            student_backbone.enable_masking()
+            teacher_backbone.enable_masking()
+            if ibot_separate_head:
+                patch_args = dict(head_args, out_dim=ibot_out_dim)
+                patch_heads = [DINOHead(norm_last_layer=norm_last_layer, **patch_args) for _ in range(2)]
         self.student = MultiCropWrapper(
-            student_backbone, DINOHead(norm_last_layer=norm_last_layer, **head_args)
+            student_backbone, DINOHead(norm_last_layer=norm_last_layer, **head_args), patch_heads[0]
         )
         self.teacher = MultiCropWrapper(
-            teacher_backbone, DINOHead(norm_last_layer=norm_last_layer, **head_args)
+            teacher_backbone, DINOHead(norm_last_layer=norm_last_layer, **head_args), patch_heads[1]
         )
         # Teacher starts as an exact copy of the student (parameters and buffers) and never gets gradients.
         self.teacher.load_state_dict(self.student.state_dict())
@@ -171,6 +209,25 @@ class DINO(LightningModule):
             centering=centering,
             num_global_crops=NUM_GLOBAL_CROPS,
         )
+        if self.ibot:
+
+            def pick(value, default):
+                return default if value is None else value
+
+            self.ibot_loss = iBOTPatchLoss(
+                ibot_out_dim,
+                warmup_teacher_temp=pick(ibot_warmup_teacher_temp, warmup_teacher_temp),
+                teacher_temp=pick(ibot_teacher_temp, teacher_temp),
+                warmup_teacher_temp_epochs=pick(ibot_warmup_teacher_temp_epochs, warmup_teacher_temp_epochs),
+                student_temp=student_temp,
+                center_momentum=center_momentum,
+                centering=centering,
+            )
+            # Validates the ratio range and probability now rather than at the first step.
+            sample_masks(2, (2, 2), np.random.default_rng(0), mask_ratio_min_max, mask_probability)
+        self.ibot_out_dim = ibot_out_dim
+        self._mask_generators: dict[tuple[int, int], BlockMaskGenerator] = {}
+        self.last_patch_collapse_signals: tuple[float, float] | None = None
         self.lr_schedule: np.ndarray | None = None
         self.wd_schedule: np.ndarray | None = None
         self.momentum_schedule: np.ndarray | None = None
@@ -337,12 +394,24 @@ class DINO(LightningModule):
             if i == 0:  # only the regularised group
                 group["weight_decay"] = wd
 
-        with torch.no_grad():
-            teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
-        student_output, student_embedding = self.student(crops, return_embeddings=True)
+        batch_size = crops[0].shape[0]
+        if self.ibot:
+            masks = self._sample_masks(crops[0], batch_idx)
+            with torch.no_grad():
+                teacher_output, _, teacher_patches = self.teacher.forward_with_patches(
+                    crops[:NUM_GLOBAL_CROPS]
+                )
+                teacher_patch_logits = self.teacher.patch_logits(teacher_patches[masks])
+            student_output, student_embedding, student_patches = self.student.forward_with_patches(
+                crops, masks
+            )
+            student_patch_logits = self.student.patch_logits(student_patches[masks])
+        else:
+            with torch.no_grad():
+                teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
+            student_output, student_embedding = self.student(crops, return_embeddings=True)
         out = self.dino_loss(student_output, teacher_output, self.current_epoch)
         loss = out.loss
-        batch_size = crops[0].shape[0]
         if self.hparams.koleo_weight > 0:
             # Per global crop and per rank, as in DINOv2: each view's local batch is spread on its own. A rank
             # left with one readable image has no neighbour to push from: its term is 0 (no collective is
@@ -354,6 +423,14 @@ class DINO(LightningModule):
                 koleo = student_embedding.new_zeros((), dtype=torch.float32)
             loss = loss + self.hparams.koleo_weight * koleo
             self.log("train/koleo", koleo.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
+        if self.ibot:
+            patch = self.ibot_loss(student_patch_logits, teacher_patch_logits, masks, self.current_epoch)
+            loss = loss + self.hparams.ibot_loss_weight * patch.loss
+            self.last_patch_collapse_signals = (float(patch.teacher_entropy), float(patch.kl_to_uniform))
+            log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
+            self.log("train/ibot_loss", patch.loss.detach(), **log)
+            self.log("train/ibot_teacher_entropy", patch.teacher_entropy, **log)
+            self.log("train/ibot_kl_to_uniform", patch.kl_to_uniform, **log)
         self._check_finite(loss)
 
         self.manual_backward(loss / accumulate)
@@ -372,6 +449,24 @@ class DINO(LightningModule):
         self.log("train/teacher_entropy", out.teacher_entropy, **log)
         self.log("train/kl_to_uniform", out.kl_to_uniform, **log)
         return loss.detach()
+
+    def _sample_masks(self, global_crop: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """Block masks (G*B, N) for the student's global crops, on their device. Drawn from a generator
+        seeded by (run seed, rank, step, batch): a resumed run draws the same masks, and ranks differ."""
+        grid = self.student.backbone.token_grid(*global_crop.shape[-2:])
+        generator = self._mask_generators.get(grid)
+        if generator is None:
+            generator = self._mask_generators[grid] = BlockMaskGenerator(grid)
+        seed = [torch.initial_seed() % 2**63, self.global_rank, self.global_step, batch_idx]
+        masks = sample_masks(
+            NUM_GLOBAL_CROPS * global_crop.shape[0],
+            grid,
+            np.random.default_rng(seed),
+            ratio_range=tuple(self.hparams.mask_ratio_min_max),
+            mask_probability=self.hparams.mask_probability,
+            generator=generator,
+        )
+        return masks.to(global_crop.device, non_blocking=True)
 
     def _optimizer_step(self, opt: Any, momentum: float) -> None:
         """Step (-> ``on_before_optimizer_step``: clipping, last-layer freeze), clear, EMA. Nothing happens

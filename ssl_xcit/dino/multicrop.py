@@ -16,16 +16,37 @@ class MultiCropWrapper(nn.Module):
     embeddings. Output rows are view-major: [view0 batch, view1 batch, ...]. ``return_embeddings`` also
     returns the backbone embeddings (same row order), for regularisers on the backbone output (KoLeo)."""
 
-    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+    def __init__(self, backbone: nn.Module, head: nn.Module, patch_head: nn.Module | None = None) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
+        # iBOT's patch head; None shares ``head`` (iBOT) or, without the iBOT term, keeps DINO's layout.
+        if patch_head is not None:
+            self.patch_head = patch_head
 
-    def forward(
-        self, crops: torch.Tensor | Sequence[torch.Tensor], return_embeddings: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(crops, torch.Tensor):
-            crops = [crops]
+    def patch_logits(self, patch_tokens: torch.Tensor) -> torch.Tensor:
+        """The patch head (or the shared head) on selected patch tokens (M, C) -> (M, K)."""
+        head = getattr(self, "patch_head", None)
+        return (head if head is not None else self.head)(patch_tokens)
+
+    def forward_with_patches(
+        self, crops: Sequence[torch.Tensor], masks: torch.Tensor | None = None, n_global: int = 2
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Head outputs and embeddings of all crops (as ``forward``), plus the patch tokens (G*B, N, C) of the
+        first ``n_global`` crops, which go through the backbone together with ``masks`` (G*B, N) applied."""
+        sizes = {tuple(c.shape[-2:]) for c in crops[:n_global]}
+        if len(crops) < n_global or len(sizes) != 1:
+            raise ValueError(
+                f"iBOT needs {n_global} global crops of one size first, got sizes {sorted(sizes)}"
+            )
+        embedding, patches = self.backbone.forward_cls_patches(torch.cat(list(crops[:n_global])), mask=masks)
+        embeddings = [embedding]
+        if len(crops) > n_global:
+            embeddings.append(self._embed(crops[n_global:]))
+        embedding = torch.cat(embeddings)
+        return self.head(embedding), embedding, patches
+
+    def _embed(self, crops: Sequence[torch.Tensor]) -> torch.Tensor:
         embeddings = []
         start = 0
         while start < len(crops):
@@ -34,7 +55,14 @@ class MultiCropWrapper(nn.Module):
                 end += 1
             embeddings.append(self.backbone(torch.cat(list(crops[start:end]))))
             start = end
-        embedding = torch.cat(embeddings)
+        return torch.cat(embeddings)
+
+    def forward(
+        self, crops: torch.Tensor | Sequence[torch.Tensor], return_embeddings: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(crops, torch.Tensor):
+            crops = [crops]
+        embedding = self._embed(crops)
         output = self.head(embedding)
         return (output, embedding) if return_embeddings else output
 

@@ -12,7 +12,14 @@ computes them:
 ``get_attention_maps(x)``   per block, the attention of the global query over the patch grid (B, heads, h*w),
                             and the grid; raises :class:`AttentionNotSupported` where there is no such query
 ``check_input(x)``          ``ValueError`` naming the size and the constraint when the input cannot be taken
+``forward_cls_patches``     ``(x, mask=None)``: the final-norm global embedding and patch tokens of one pass;
+                            with a mask (B, h*w), masked patches are replaced by a learnt mask token (iBOT)
+``token_grid(h, w)``        the patch grid (h', w') of an input size
 =========================== ==============================================================================
+
+Masking (iBOT, ``supports_masking``): ``enable_masking()`` adds the ``mask_token`` parameter; XCiT, ViT and CaiT
+replace the embedding of each masked patch with it after patch embedding and before the positional encoding
+(as iBOT and DINOv2 do), and ``forward_patch_tokens`` / ``forward_features`` take the same optional mask.
 
 Class attributes: ``family`` (registry family), ``name`` (registry variant), ``embed_dim``, ``dense_dim``,
 ``size_multiple`` (input sides must be multiples of it), ``has_attention_maps``.
@@ -20,13 +27,22 @@ Class attributes: ``family`` (registry family), ``name`` (registry variant), ``e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
 
 class AttentionNotSupported(NotImplementedError):
     """The backbone has no attention of a global query over the patch grid (e.g. a pooled CNN-like model)."""
+
+
+MASKING_FAMILIES = ("xcit", "vit", "cait")
+
+
+class MaskingNotSupported(ValueError):
+    """The family has no per-patch token to replace with a mask token (iBOT's masked patch term)."""
 
 
 class Backbone(nn.Module):
@@ -39,6 +55,8 @@ class Backbone(nn.Module):
     size_multiple: int = 1
     size_reason: str = ""  # why sides must be multiples of ``size_multiple``, appended to the size error
     has_attention_maps: bool = False
+    supports_masking: bool = False
+    masking_refusal: str = ""  # why the family cannot be masked, appended to MaskingNotSupported
 
     def check_input(self, x: Tensor) -> None:
         if x.ndim != 4:
@@ -66,6 +84,54 @@ class Backbone(nn.Module):
 
     def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         raise NotImplementedError
+
+    def token_grid(self, height: int, width: int) -> tuple[int, int]:
+        """The patch grid of an input of this size (families with one token per patch)."""
+        return height // self.size_multiple, width // self.size_multiple
+
+    def enable_masking(self) -> None:
+        """Add the learnt ``mask_token`` (zeros at start, as in iBOT and DINOv2) that masked patches take.
+
+        Called by DINO when the iBOT term is on; a backbone without it keeps the plain checkpoint layout."""
+        if not self.supports_masking:
+            reason = f": {self.masking_refusal}" if self.masking_refusal else ""
+            raise MaskingNotSupported(
+                f"{self.family} backbones ({self.name}) cannot take iBOT's patch masks{reason}; "
+                f"masking works with the {', '.join(MASKING_FAMILIES)} families (or set ibot_loss_weight: 0)"
+            )
+        if getattr(self, "mask_token", None) is None:
+            self.mask_token = nn.Parameter(torch.zeros(1, self.embed_dim))
+
+    def _apply_mask(self, tokens: Tensor, mask: Tensor | None) -> Tensor:
+        """``tokens`` (B, N, C) or (B, h, w, C) with each masked patch replaced by ``mask_token``."""
+        if mask is None:
+            return tokens
+        if getattr(self, "mask_token", None) is None:
+            raise RuntimeError(
+                f"{self.name} got a patch mask but has no mask token; call enable_masking() first"
+            )
+        grid_shape = tokens.shape[:-1]
+        self._check_mask(mask, grid_shape)
+        mask = mask.reshape(grid_shape).unsqueeze(-1)
+        return torch.where(mask, self.mask_token.to(tokens.dtype).reshape(-1), tokens)
+
+    def _check_mask(self, mask: Tensor, grid_shape: Sequence[int]) -> None:
+        """A bool mask (B, h*w) matching ``grid_shape`` = (B, N) or (B, h, w), else a ValueError naming both."""
+        if (
+            mask.dtype != torch.bool
+            or mask.numel() != math.prod(grid_shape)
+            or mask.shape[0] != grid_shape[0]
+        ):
+            raise ValueError(
+                f"patch mask of shape {tuple(mask.shape)} ({mask.dtype}) does not match the token grid "
+                f"{tuple(grid_shape)} of {self.name}; expected a bool mask (B, h*w)"
+            )
+
+    def forward_cls_patches(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The global embedding (B, ``embed_dim``) and the final-norm patch tokens (B, h*w, C) of one pass."""
+        tokens = self.forward_features(x, mask=mask)
+        prefix = int(getattr(self, "num_prefix_tokens", 1))
+        return self.forward_head(tokens, pre_logits=True), tokens[:, prefix:]
 
     def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
         raise NotImplementedError

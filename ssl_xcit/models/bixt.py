@@ -63,6 +63,10 @@ class BiXT(Backbone):
 
     family = "bixt"
     has_attention_maps = True
+    masking_refusal = (
+        "its global embedding is the mean of the latents, which never attend to a masked token's own output "
+        "in the last (one-sided) layer, and the /8 and /4 tokenizers overlap neighbouring patches"
+    )
 
     def __init__(
         self,

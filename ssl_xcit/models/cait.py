@@ -57,6 +57,7 @@ class CaiT(Backbone, Cait):
 
     family = "cait"
     has_attention_maps = True
+    supports_masking = True
 
     def __init__(
         self,
@@ -95,10 +96,11 @@ class CaiT(Backbone, Cait):
             num_prefix_tokens=0,
         )
 
-    def _embed(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    def _embed(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, tuple[int, int]]:
         self.check_input(x)
         grid = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)
-        x = self.patch_embed(x) + self._pos_embed_for(grid).to(x.dtype)
+        # Non-overlapping patches: replacing a masked patch's embedding hides all of its pixels.
+        x = self._apply_mask(self.patch_embed(x), mask) + self._pos_embed_for(grid).to(x.dtype)
         return self.pos_drop(x), grid
 
     def _run_blocks(self, x: Tensor, upto: int | None = None) -> list[Tensor]:
@@ -112,14 +114,15 @@ class CaiT(Backbone, Cait):
             outputs.append(x)
         return outputs
 
-    def forward_features(self, x: Tensor) -> Tensor:
+    def forward_features(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """All tokens (B, 1 + N, C) after class attention and the final norm; token 0 is CLS (as timm)."""
-        x, _ = self._embed(x)
+        x, _ = self._embed(x, mask)
         return self.norm(self.forward_cls(self._run_blocks(x)[-1]))
 
-    def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-        """Final-norm patch tokens (B, N, C) and their grid; class attention does not change them."""
-        x, grid = self._embed(x)
+    def forward_patch_tokens(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, tuple[int, int]]:
+        """Final-norm patch tokens (B, N, C) and their grid; class attention does not change them.
+        ``mask`` (B, N) bool replaces masked patches with the mask token (``enable_masking``)."""
+        x, grid = self._embed(x, mask)
         return self.norm(self._run_blocks(x)[-1]), grid
 
     # -------------------------------------------------------- evaluation access

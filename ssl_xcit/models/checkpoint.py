@@ -169,6 +169,10 @@ def convert_state_dict(
         if _HEAD_KEY.match(key) and not (keep_classifier and key in ("head.weight", "head.bias")):
             dropped.append(key)
             continue
+        if key == "mask_token" and getattr(model, "mask_token", None) is None:
+            # iBOT/DINOv2's training-only mask token (our iBOT runs, official DINOv2 weights).
+            dropped.append(key)
+            continue
         out[key] = value
     families = [model.family] if model is not None and model.family in list_families() else list_families()
     for family in families:

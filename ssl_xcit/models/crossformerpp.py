@@ -63,6 +63,10 @@ class CrossFormerPP(Backbone):
     family = "crossformerpp"
     size_multiple = 32  # four stages: stride 4, then three stride-2 merges
     size_reason = "CrossFormer++ embeds at stride 4 and halves the map 3 times"
+    masking_refusal = (
+        "its cross-scale embedding reads 4- to 32-px windows around each stride-4 patch and its stages merge "
+        "tokens, so no output token belongs to one maskable patch"
+    )
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.models.base import AttentionNotSupported, Backbone
 
@@ -43,6 +44,7 @@ class TimmViT(Backbone, VisionTransformer):
     """
 
     family = "vit"
+    supports_masking = True
 
     def __init__(self, model_name: str = "vit_small_patch16_224", num_classes: int = 0, **kwargs) -> None:
         nn.Module.__init__(self)
@@ -68,21 +70,40 @@ class TimmViT(Backbone, VisionTransformer):
         self.depth = len(self.blocks)
         self.has_attention_maps = self.cls_token is not None
 
-    def _tokens(self, x: Tensor) -> Tensor:
+    def _tokens(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         self.check_input(x)
-        return self.norm_pre(self.patch_drop(self._pos_embed(self.patch_embed(x))))
+        # Non-overlapping patches: replacing a masked patch's embedding hides all of its pixels.
+        x = self._apply_mask(self.patch_embed(x), mask)
+        return self.norm_pre(self.patch_drop(self._pos_embed(x)))
 
-    def forward_features(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        """All tokens (B, prefix + N, C) after the final norm, as timm, with a size check first."""
+    def forward_features(
+        self,
+        x: Tensor,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """All tokens (B, prefix + N, C) after the final norm, as timm, with a size check first. ``mask``
+        (B, N) bool replaces masked patches with the mask token (``enable_masking``)."""
         self.check_input(x)
-        return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        if mask is None:
+            return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+        if attn_mask is not None or is_causal:
+            raise ValueError("a patch mask cannot be combined with attn_mask or is_causal")
+        x = self._tokens(x, mask)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self._checkpointing() else block(x)
+        return self.norm(x)
+
+    def _checkpointing(self) -> bool:
+        return self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()
 
     def _grid(self, x: Tensor) -> tuple[int, int]:
         return x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
 
-    def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    def forward_patch_tokens(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, tuple[int, int]]:
         """Final-norm patch tokens (B, N, C) (prefix tokens removed) and their grid."""
-        return self.forward_features(x)[:, self.num_prefix_tokens :], self._grid(x)
+        return self.forward_features(x, mask=mask)[:, self.num_prefix_tokens :], self._grid(x)
 
     def _block_outputs(self, x: Tensor, n: int | Sequence[int]) -> list[Tensor]:
         wanted = self._block_indices(n)

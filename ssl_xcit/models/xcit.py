@@ -52,6 +52,7 @@ class XCiT(Backbone):
 
     family = "xcit"
     has_attention_maps = True
+    supports_masking = True
 
     def __init__(
         self,
@@ -145,9 +146,22 @@ class XCiT(Backbone):
         return {"pos_embed", "cls_token"}
 
     # ------------------------------------------------------------------ forward
-    def _embed(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    def _embed(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, tuple[int, int]]:
         self.check_input(x)
+        if mask is not None:
+            # The convolutional stem's receptive field (31 px for 16-px patches, 15 px for 8-px ones) reaches
+            # into neighbouring patches, so replacing a masked patch's embedding alone would still let its
+            # border pixels into the unmasked neighbours' embeddings. Blanking the masked patches' pixels
+            # first makes their content invisible everywhere, as iBOT's non-overlapping ViT stem guarantees
+            # (docs/ibot.md, tests/models/test_masking.py).
+            p = self.patch_size
+            grid = (x.shape[0], x.shape[-2] // p, x.shape[-1] // p)
+            self._check_mask(mask, grid)
+            hidden = mask.reshape(grid).unsqueeze(1)
+            hidden = hidden.repeat_interleave(p, dim=2).repeat_interleave(p, dim=3)
+            x = x.masked_fill(hidden, 0.0)
         x, (height, width) = self.patch_embed(x)
+        x = self._apply_mask(x, mask)
         if self.pos_embed is not None:
             x = x + self.pos_embed(height, width).to(x.dtype)
         return self.pos_drop(x), (height, width)
@@ -167,16 +181,17 @@ class XCiT(Backbone):
                 maps.append(attn)
         return self.norm(x), maps
 
-    def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-        """Patch tokens (B, N, C) after the last XCA block, before class attention, and the grid (Hp, Wp)."""
-        x, (height, width) = self._embed(x)
+    def forward_patch_tokens(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, tuple[int, int]]:
+        """Patch tokens (B, N, C) after the last XCA block, before class attention, and the grid (Hp, Wp).
+        ``mask`` (B, N) bool replaces masked patches with the mask token (``enable_masking``)."""
+        x, (height, width) = self._embed(x, mask)
         for block in self.blocks:
             x = self._run_block(block, x, height, width)
         return x, (height, width)
 
-    def forward_features(self, x: Tensor) -> Tensor:
+    def forward_features(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """All tokens (B, 1 + N, C) after class attention and the final norm; token 0 is CLS."""
-        x, _ = self.forward_patch_tokens(x)
+        x, _ = self.forward_patch_tokens(x, mask)
         return self._class_attention(x)[0]
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:

@@ -1,0 +1,160 @@
+"""iBOT's masked patch term inside DINO: it trains for XCiT, ViT and CaiT, and weight 0 leaves DINO as it was."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ssl_xcit.dino.collapse import CollapseGuard
+from ssl_xcit.dino.module import DINO
+from ssl_xcit.models.base import MaskingNotSupported
+
+HEAD = dict(out_dim=64, head_hidden_dim=32, head_bottleneck_dim=16)
+FAMILIES = {
+    "xcit_nano_12_p8": {"depth": 1},
+    "vit_tiny_patch16_224": {"depth": 1},
+    "cait_xxs24": {"depth": 1},
+}
+
+
+class Crops(Dataset):
+    """2 global 32-px and 2 local 16-px crops per item."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        gen = torch.Generator().manual_seed(i)
+        return [torch.randn(3, s, s, generator=gen) for s in (32, 32, 16, 16)], i % 2, i
+
+
+def _fit(model: DINO, tmp_path, steps: int = 2) -> L.Trainer:
+    trainer = L.Trainer(
+        max_epochs=1,
+        limit_train_batches=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, DataLoader(Crops(), batch_size=4))
+    return trainer
+
+
+@pytest.mark.parametrize("backbone", list(FAMILIES))
+def test_ibot_trains_the_mask_token_and_patch_head(backbone, tmp_path):
+    L.seed_everything(0)
+    model = DINO(
+        backbone,
+        backbone_kwargs=FAMILIES[backbone],
+        ibot_loss_weight=1.0,
+        warmup_epochs=0,
+        freeze_last_layer=0,
+        lr=0.05,
+        **HEAD,
+    )
+    token = model.student.backbone.mask_token.detach().clone()
+    patch_head = model.student.patch_head.mlp[0].weight.detach().clone()
+    teacher_patch_head = model.teacher.patch_head.mlp[0].weight.detach().clone()
+    trainer = _fit(model, tmp_path)
+    assert trainer.global_step == 2
+    assert not torch.equal(model.student.backbone.mask_token, token)  # masked crops reached the loss
+    assert not torch.equal(model.student.patch_head.mlp[0].weight, patch_head)
+    assert not torch.equal(model.teacher.patch_head.mlp[0].weight, teacher_patch_head)  # EMA
+    assert model.last_patch_collapse_signals is not None
+    entropy, kl = model.last_patch_collapse_signals
+    assert 0 <= entropy <= torch.log(torch.tensor(64.0)) + 1e-4 and kl >= -1e-6
+    assert torch.isfinite(trainer.callback_metrics["train/ibot_loss"])
+
+
+def test_shared_head_has_no_patch_head_and_checks_prototypes(tmp_path):
+    L.seed_everything(0)
+    model = DINO("xcit_nano_12_p8", backbone_kwargs={"depth": 1}, ibot_loss_weight=1.0, ibot_separate_head=False,
+                 warmup_epochs=0, **HEAD)  # fmt: skip
+    assert not hasattr(model.student, "patch_head")
+    _fit(model, tmp_path, steps=1)
+    with pytest.raises(ValueError, match="shared head has out_dim=64 prototypes, got ibot_out_dim=32"):
+        DINO("xcit_nano_12_p8", ibot_loss_weight=1.0, ibot_separate_head=False, ibot_out_dim=32, **HEAD)
+
+
+def test_weight_zero_keeps_dinos_layout_and_steps(tmp_path):
+    """No mask token, patch head or patch loss: DINO's checkpoints and its official-step equivalence
+    (tests/dino/test_training_correctness.py) are untouched; the same seed gives bit-identical weights."""
+    kwargs = dict(backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 1}, warmup_epochs=0, **HEAD)
+    L.seed_everything(0)
+    off = DINO(ibot_loss_weight=0.0, **kwargs)
+    keys = set(off.state_dict())
+    assert not any("mask_token" in k or "patch_head" in k or "ibot" in k for k in keys)
+    _fit(off, tmp_path / "a")
+    L.seed_everything(0)
+    plain = DINO(**kwargs)
+    _fit(plain, tmp_path / "b")
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, off.state_dict()[key]), key
+    L.seed_everything(0)
+    on = DINO(ibot_loss_weight=1.0, **kwargs)
+    assert {
+        "student.backbone.mask_token",
+        "student.patch_head.last_layer.weight_v",
+        "ibot_loss.center",
+    } <= set(on.state_dict())
+
+
+@pytest.mark.parametrize("backbone", ["crossformerpp_small", "bixt_ti_l64_p16"])
+def test_unmaskable_families_fail_at_construction(backbone):
+    with pytest.raises(MaskingNotSupported, match="masking works with the xcit, vit, cait families"):
+        DINO(backbone, ibot_loss_weight=1.0, **HEAD)
+    DINO(backbone, ibot_loss_weight=0.0, **HEAD)  # plain DINO still builds
+
+
+def test_masks_are_seeded_per_step_and_differ_between_steps():
+    model = DINO("xcit_nano_12_p8", backbone_kwargs={"depth": 1}, ibot_loss_weight=1.0, **HEAD)
+    crop = torch.zeros(8, 3, 64, 64)
+    first = model._sample_masks(crop, batch_idx=0)
+    assert first.shape == (16, 64) and first.dtype == torch.bool
+    assert torch.equal(first, model._sample_masks(crop, batch_idx=0))  # a resumed run draws the same
+    assert not torch.equal(first, model._sample_masks(crop, batch_idx=1))
+    assert (first.sum(1) > 0).sum() == 8  # half of the 16 global crops
+
+
+def test_bad_ibot_settings_are_named():
+    with pytest.raises(ValueError, match="ibot_loss_weight must be >= 0"):
+        DINO("xcit_nano_12_p8", ibot_loss_weight=-1.0, **HEAD)
+    with pytest.raises(ValueError, match=r"got \(0.5, 0.1\)"):
+        DINO("xcit_nano_12_p8", ibot_loss_weight=1.0, mask_ratio_min_max=(0.5, 0.1), **HEAD)
+
+
+class _Signals(L.LightningModule):
+    """Just what the collapse guard reads: healthy DINO signals and a uniform patch teacher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.save_hyperparameters({"out_dim": 64})
+        self.ibot_out_dim = 128
+        self.last_collapse_signals = (1.0, 0.5)
+        self.last_patch_collapse_signals = (0.99 * torch.log(torch.tensor(128.0)).item(), 0.001)
+
+
+def test_collapse_guard_watches_the_patch_term(monkeypatch):
+    guard = CollapseGuard("stop", patience=3, grace_steps=0)
+    module = _Signals()
+    logged = {}
+    monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.__setitem__(name, value))
+
+    class _Trainer:
+        world_size, global_step, should_stop = 1, 5, False
+
+    trainer = _Trainer()
+    with pytest.warns(UserWarning, match=r"iBOT patch teacher collapse \(uniform\).*ln K = 4.852"):
+        for _ in range(3):
+            guard.on_train_batch_end(trainer, module)
+    assert trainer.should_stop
+    assert guard.events == [
+        {"mode": "uniform", "step": 5, "entropy": pytest.approx(4.80, abs=0.01), "kl_to_uniform": 0.001,
+         "term": "ibot"}
+    ]  # fmt: skip
+    assert logged["collapse/ibot_uniform"] == 1.0 and logged["collapse/uniform"] == 0.0
