@@ -30,8 +30,8 @@ from ssl_xcit.models import registry
 from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.registry import create_model, family_module, list_families, resolve
 
-# Keys that belong to a DINO projection head or a classifier, never to the backbone.
-_HEAD_KEY = re.compile(r"^(head\.(mlp|last_layer)\.|head\.(weight|bias)$)")
+# DINO projection heads (`head.mlp`, `head.last_layer`; iBOT's `patch_head.*`) and classifier heads.
+_HEAD_KEY = re.compile(r"^((patch_)?head\.(mlp|last_layer)\.|head\.(weight|bias)$)")
 _CONTAINERS = ("teacher", "model", "state_dict", "student")
 
 

@@ -142,3 +142,32 @@ def test_export_errors_are_clear(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no teacher backbone" in err and "student" in err
     assert not (tmp_path / "out.pth").exists()
+
+
+@pytest.mark.parametrize("backbone", ["xcit_nano_12_p8", "vit_tiny_patch16_224", "cait_xxs24"])
+def test_fit_with_ibot_for_each_maskable_family(backbone, tmp_path, image_folder):
+    """`ssl-xcit fit` with iBOT's patch term; the checkpoint then exports and loads as a plain backbone."""
+    from ssl_xcit.models import build_backbone
+
+    args = tiny_config(tmp_path, image_folder) + [
+        f"--model.init_args.backbone={backbone}",
+        "--model.init_args.ibot_loss_weight=1.0",
+        "--data.init_args.global_crops_size=32",
+        "--data.init_args.local_crops_size=16",
+        "--data.init_args.eval_resize=32",
+        "--data.init_args.eval_crop=32",
+    ]
+    cli = main(["fit", *args])
+    assert cli.trainer.global_step == 4
+    last = tmp_path / "runs" / "version_0" / "checkpoints" / "last.ckpt"
+    metrics = (last.parent.parent / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    for name in ("train/ibot_loss", "train/ibot_teacher_entropy", "train/ibot_kl_to_uniform"):
+        assert name in metrics, name
+    # The mask token is a training input: evaluation builds the plain backbone from the checkpoint.
+    backbone_model = build_backbone(str(last))
+    assert getattr(backbone_model, "mask_token", None) is None
+    exported = tmp_path / "teacher.pth"
+    export_main([str(last), str(exported)])
+    torch.testing.assert_close(
+        build_backbone(str(exported))(torch.ones(1, 3, 32, 32)), backbone_model(torch.ones(1, 3, 32, 32))
+    )
