@@ -7,6 +7,10 @@ DINO collapses in two ways (Caron et al. 2021, section 5.3 and figure 7), both v
 * uniform: every image gets the uniform distribution, H near ln K and KL near 0;
 * one prototype: every image puts its mass on the same prototype, H near 0 and KL near ln K. (A low H alone
   is a sharp, healthy teacher when the images use different prototypes, so KL is required too.)
+
+A run with iBOT's masked patch term also logs ``train/ibot_loss``, ``train/ibot_teacher_entropy`` and
+``train/ibot_kl_to_uniform``; the figure then gets a third row for them, with the patch term's own collapse
+regions (its K is ``ibot_out_dim``, else ``out_dim``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ PANELS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("train/teacher_entropy",), "teacher entropy (nats)"),
     (("train/kl_to_uniform",), "KL(mean teacher || uniform) (nats)"),
 )
+PATCH_PANELS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("train/ibot_loss",), "iBOT patch loss"),
+    (("train/ibot_teacher_entropy",), "patch teacher entropy (nats)"),
+    (("train/ibot_kl_to_uniform",), "KL(mean patch teacher || uniform) (nats)"),
+)
+# The signal columns of each term: (entropy, KL).
+SIGNALS = {
+    "dino": ("train/teacher_entropy", "train/kl_to_uniform"),
+    "ibot": ("train/ibot_teacher_entropy", "train/ibot_kl_to_uniform"),
+}
 # "Near" as fractions of ln K: loose enough for the noise of a batch estimate, far from a healthy run.
 NEAR_FRACTION = 0.1
 
@@ -41,6 +55,7 @@ class RunMetrics:
     path: Path
     series: dict[str, tuple[np.ndarray, np.ndarray]]
     out_dim: int | None
+    ibot_out_dim: int | None = None
 
 
 def find_metrics(run: str | os.PathLike) -> Path:
@@ -59,7 +74,7 @@ def find_metrics(run: str | os.PathLike) -> Path:
     return found[-1]
 
 
-def _out_dim(metrics: Path) -> int | None:
+def _out_dim(metrics: Path, key: str = "out_dim") -> int | None:
     hparams = metrics.parent / "hparams.yaml"
     if not hparams.is_file():
         return None
@@ -71,8 +86,8 @@ def _out_dim(metrics: Path) -> int | None:
         data.get("model", {}) or {},
         (data.get("model", {}) or {}).get("init_args", {}) or {},
     ):
-        if isinstance(source, dict) and isinstance(source.get("out_dim"), int):
-            return source["out_dim"]
+        if isinstance(source, dict) and isinstance(source.get(key), int):
+            return source[key]
     return None
 
 
@@ -98,16 +113,20 @@ def read_metrics(run: str | os.PathLike, out_dim: int | None = None) -> RunMetri
         if pairs:
             steps, values = np.array(pairs).T
             series[column] = (steps, values)
-    return RunMetrics(path, series, out_dim if out_dim is not None else _out_dim(path))
+    out_dim = out_dim if out_dim is not None else _out_dim(path)
+    ibot_out_dim = _out_dim(path, "ibot_out_dim") or out_dim
+    return RunMetrics(path, series, out_dim, ibot_out_dim)
 
 
-def collapse_regions(metrics: RunMetrics) -> dict[str, list[tuple[float, float]]]:
-    """Step intervals of each collapse kind (``uniform``, ``one prototype``); empty without entropy, KL or K."""
-    h = metrics.series.get("train/teacher_entropy")
-    kl = metrics.series.get("train/kl_to_uniform")
-    if h is None or kl is None or not metrics.out_dim:
+def collapse_regions(metrics: RunMetrics, term: str = "dino") -> dict[str, list[tuple[float, float]]]:
+    """Step intervals of each collapse kind (``uniform``, ``one prototype``) of a term (``dino`` or the
+    ``ibot`` patch term); empty without its entropy, KL or K."""
+    h = metrics.series.get(SIGNALS[term][0])
+    kl = metrics.series.get(SIGNALS[term][1])
+    out_dim = metrics.out_dim if term == "dino" else metrics.ibot_out_dim
+    if h is None or kl is None or not out_dim:
         return {"uniform": [], "one prototype": []}
-    log_k = math.log(metrics.out_dim)
+    log_k = math.log(out_dim)
     steps, hv = h
     kl_at = np.interp(steps, *kl)
     near = NEAR_FRACTION * log_k
@@ -130,13 +149,18 @@ def collapse_regions(metrics: RunMetrics) -> dict[str, list[tuple[float, float]]
 
 
 def curves_figure(metrics: RunMetrics):
-    """Six panels (loss, lr, teacher temperature, k-NN, entropy, KL) over steps; collapse regions shaded."""
+    """Six panels (loss, lr, teacher temperature, k-NN, entropy, KL) over steps, plus iBOT's three when logged;
+    each term's collapse regions shaded on its panels."""
     import matplotlib.pyplot as plt
 
-    regions = collapse_regions(metrics)
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    panels = list(PANELS)
+    if any(columns[0] in metrics.series for columns, _ in PATCH_PANELS):
+        panels += PATCH_PANELS
+    terms = {"dino": collapse_regions(metrics), "ibot": collapse_regions(metrics, "ibot")}
+    fig, axes = plt.subplots(len(panels) // 3, 3, figsize=(12, 3 * len(panels) // 3))
     drawn = 0
-    for ax, (columns, title) in zip(axes.ravel(), PANELS, strict=True):
+    for ax, (columns, title) in zip(axes.ravel(), panels, strict=True):
+        regions = terms["ibot" if columns[0].startswith("train/ibot") else "dino"]
         column = next((c for c in columns if c in metrics.series), None)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
@@ -150,10 +174,9 @@ def curves_figure(metrics: RunMetrics):
         for kind, colour in (("uniform", "tab:orange"), ("one prototype", "tab:red")):
             for i, (a, b) in enumerate(regions[kind]):
                 ax.axvspan(a, b, color=colour, alpha=0.2, label=f"collapse: {kind}" if i == 0 else None)
-        if metrics.out_dim and column == "train/teacher_entropy":
-            ax.axhline(
-                math.log(metrics.out_dim), color="grey", ls="--", lw=0.8, label=f"ln K = ln {metrics.out_dim}"
-            )
+        k = {"train/teacher_entropy": metrics.out_dim, "train/ibot_teacher_entropy": metrics.ibot_out_dim}
+        if k.get(column):
+            ax.axhline(math.log(k[column]), color="grey", ls="--", lw=0.8, label=f"ln K = ln {k[column]}")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     if drawn == 0:

@@ -67,3 +67,24 @@ def test_run_without_metrics_names_the_folder(tmp_path):
         read_metrics(tmp_path)
     with pytest.raises(VisualizeError, match="run directory not found: .*missing"):
         read_metrics(tmp_path / "missing")
+
+
+def test_ibot_runs_get_a_patch_row_with_their_own_collapse_regions(tmp_path):
+    run = tmp_path / "run" / "csv" / "version_0"
+    run.mkdir(parents=True)
+    log_k = math.log(64)
+    rows = ["step,train/teacher_entropy,train/kl_to_uniform,train/ibot_loss,train/ibot_teacher_entropy,"
+            "train/ibot_kl_to_uniform"]  # fmt: skip
+    patch = [(3.0, 0.5), (log_k, 0.0), (log_k - 0.01, 0.01), (3.0, 0.5)]  # uniform at steps 1-2
+    rows += [f"{s},2.0,0.4,{5 - s},{h},{k}" for s, (h, k) in enumerate(patch)]
+    (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+    (run / "hparams.yaml").write_text("out_dim: 256\nibot_out_dim: 64\n")
+    metrics = read_metrics(tmp_path / "run")
+    assert (metrics.out_dim, metrics.ibot_out_dim) == (256, 64)
+    assert collapse_regions(metrics, "ibot") == {"uniform": [(0.5, 2.5)], "one prototype": []}
+    assert collapse_regions(metrics) == {"uniform": [], "one prototype": []}  # the DINO term is healthy
+    fig = curves_figure(metrics)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 9 and "iBOT patch loss" in titles and "patch teacher entropy (nats)" in titles
+    patch_axis = fig.axes[titles.index("patch teacher entropy (nats)")]
+    assert len(patch_axis.patches) == 1  # the shaded uniform span
