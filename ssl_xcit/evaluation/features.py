@@ -69,8 +69,12 @@ class FeatureConfig:
     def name(self) -> str:
         return f"cls{self.n_last_blocks}" + ("+avgpool" if self.avgpool_patchtokens else "")
 
-    def dim(self, embed_dim: int) -> int:
-        return embed_dim * (self.n_last_blocks + int(self.avgpool_patchtokens))
+    def dim(self, backbone: nn.Module) -> int:
+        """Width of this feature for ``backbone``: ``n_last_blocks`` embeddings of ``embed_dim``, plus the pooled
+        dense tokens of ``dense_dim`` (not always ``embed_dim``: CrossFormer++'s are stage-3 tokens, half as wide)."""
+        embed = int(getattr(backbone, "num_features", 0) or getattr(backbone, "embed_dim", 0))
+        dense = int(getattr(backbone, "dense_dim", 0) or embed)
+        return embed * self.n_last_blocks + (dense if self.avgpool_patchtokens else 0)
 
 
 def compute_features(
@@ -128,8 +132,7 @@ class FeatureExtractor(pl.LightningModule):
         }
 
     def _local_dim(self) -> int:
-        embed = getattr(self.backbone, "num_features", None) or getattr(self.backbone, "embed_dim", 0)
-        return self.config.dim(int(embed))
+        return self.config.dim(self.backbone)
 
     def _gather(self, feats, labels, idx):
         # Ranks hold different counts (unrepeated sampler, skipped images): pad to the largest, mark pads -1.

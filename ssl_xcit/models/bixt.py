@@ -6,8 +6,10 @@ refine themselves with self-attention. Cost is O(M * N) per layer, linear in the
 is one-sided (latents only), as in the official code.
 
 Parameter names and shapes follow the official ``mrkshllr/BiXT`` (``timm/models/bixt.py``), so its released
-checkpoints load strictly; their fixed-grid ``fourier_pos_encode.pos`` buffer is dropped on load because the Fourier
-encoding is recomputed for every input grid here (the official ``_dyn`` path), which is what makes any size work.
+checkpoints load strictly; their fixed-grid ``fourier_pos_encode.pos`` buffer is dropped on load (by
+:func:`convert_state_dict` before ``load_pretrained``'s strict comparison, and by a pre-hook for a plain
+``load_state_dict``) because the Fourier encoding is recomputed for every input grid here (the official ``_dyn``
+path, whose own loader drops the buffer too), which is what makes any size work.
 
 Global embedding: LayerNorm (``fc_norm``) of the mean of the latents. Dense descriptors: the tokens after the last
 bi-directional layer, normed by the LN that the final one-sided layer applies to them (``norm1_pat``).
@@ -16,7 +18,7 @@ bi-directional layer, normed by the LN that the final one-sided layer applies to
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from timm.layers import lecun_normal_, trunc_normal_
@@ -212,9 +214,17 @@ class BiXT(Backbone):
         return [attn.mean(dim=2) for _, _, _, attn, _ in steps], steps[-1][4]
 
 
+# Official fixed-grid checkpoints store the precomputed Fourier features; they are recomputed per grid here.
+FIXED_POS_BUFFER = "fourier_pos_encode.pos"
+
+
 def _drop_fixed_pos_buffer(state_dict: dict, prefix: str, *args) -> None:
-    """Official fixed-grid checkpoints store the precomputed Fourier features; they are recomputed per grid here."""
-    state_dict.pop(prefix + "fourier_pos_encode.pos", None)
+    state_dict.pop(prefix + FIXED_POS_BUFFER, None)
+
+
+def convert_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """An official BiXT state dict in our layout: the same names without the fixed-grid ``fourier_pos_encode.pos``."""
+    return {k: v for k, v in state_dict.items() if k != FIXED_POS_BUFFER}
 
 
 def create(name: str, **overrides) -> BiXT:

@@ -4,6 +4,8 @@ Accepted sources, all through :func:`load_pretrained`:
 
 * plain state dicts in our (= timm's) naming, e.g. from ``ssl-xcit export`` or ``timm_model.state_dict()``;
 * the official XCiT/DINO naming: ``pos_embeder.*`` and a fused class-attention ``qkv`` (split into q, k, v);
+* official BiXT and CrossFormer v1 state dicts, whose buffers for one input size (``fourier_pos_encode.pos``,
+  ``attn.biases``, ``attn.relative_position_index``) are dropped: those families recompute them per input;
 * wrapper prefixes ``module.`` (DDP) and ``backbone.`` (DINO's MultiCropWrapper);
 * containers ``teacher`` / ``student`` / ``model`` / ``state_dict`` (the teacher is preferred: DINO evaluates it);
 * our Lightning checkpoints, whose ``state_dict`` holds ``teacher.backbone.*`` and whose ``hyper_parameters``
@@ -156,8 +158,9 @@ def convert_state_dict(
     """Translate official/DINO naming into ours; returns ``(state_dict, dropped_head_keys)``.
 
     Head keys are dropped when the model has no classifier (``num_classes == 0``) or when they belong to a DINO
-    projection head. Family-specific renames (``convert_state_dict`` hooks, e.g. XCiT's official layout via timm's
-    filter) run for the model's family, or for every family when no model is given.
+    projection head. Family checkpoint filters (``convert_state_dict`` hooks: XCiT's official layout via timm's
+    filter, the size-bound buffers BiXT and CrossFormer drop) run for the model's family, or for every family
+    when no model is given.
     """
     out: dict[str, Tensor] = {}
     dropped: list[str] = []

@@ -2,7 +2,8 @@
 progressive group size (PGS) and the amplitude cooling layer (ACL).
 
 Parameter names and shapes follow the official classification code (``cheerss/CrossFormer``, ``models/
-crossformer.py``), so its released checkpoints load strictly. Unlike that code, nothing depends on a fixed image
+crossformer.py``), so its released checkpoints load strictly (v1 checkpoints' size-bound buffers are dropped by
+:func:`convert_state_dict`). Unlike that code, nothing depends on a fixed image
 size: grouping, padding masks and the DPB index are computed per forward from the feature-map size (cached per
 size), and whether a block falls back to global attention is decided per call, never stored (the official
 detection backbone stores it and so breaks after one small input, see backbones.md section 2.7).
@@ -14,8 +15,9 @@ descriptors.
 
 from __future__ import annotations
 
+import re
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from timm.layers import trunc_normal_
@@ -204,14 +206,21 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-_SIZE_BOUND = (".attn.biases", ".attn.relative_position_index", ".attn_mask")
+# Checkpoints of the v1 code store the DPB offsets and index built for one image size as persistent buffers
+# (backbones.md 5.7), beside which the official code registers its padding mask ``attn_mask``. All three are
+# recomputed per input here, so they are dropped rather than reported as unexpected keys.
+_SIZE_BOUND = re.compile(r"layers\.\d+\.blocks\.\d+\.(attn\.biases|attn\.relative_position_index|attn_mask)")
 
 
 def _drop_size_bound_buffers(state_dict: dict, prefix: str, *args) -> None:
-    """Checkpoints of the v1 code store DPB offsets, index and masks built for one image size (backbones.md 5.7);
-    they are recomputed per input here, so they are dropped rather than reported as unexpected keys."""
-    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(_SIZE_BOUND)]:
+    for key in [k for k in state_dict if k.startswith(prefix) and _SIZE_BOUND.fullmatch(k[len(prefix) :])]:
         del state_dict[key]
+
+
+def convert_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """An official CrossFormer/CrossFormer++ state dict in our layout: the same names without the size-bound
+    buffers of v1 checkpoints (``attn.biases``, ``attn.relative_position_index``, ``attn_mask``)."""
+    return {k: v for k, v in state_dict.items() if not _SIZE_BOUND.fullmatch(k)}
 
 
 def create(name: str, **overrides) -> CrossFormerPP:

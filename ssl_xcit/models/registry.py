@@ -6,7 +6,9 @@ Each family lives in ``ssl_xcit/models/<family>.py`` and exposes
 * one :class:`~ssl_xcit.models.base.Backbone` subclass (``MODEL_CLASS`` if the module defines several);
 * optionally ``resolve_name(name) -> (variant, overrides) | None`` for aliases (timm's ``_224`` suffixes) and
   open-ended names (any timm ViT), ``infer_variant(state_dict)`` and ``convert_state_dict(state_dict)`` for
-  checkpoint loading, ``describe_variant(name)`` for summaries.
+  checkpoint loading (the family's checkpoint filter, as timm's ``checkpoint_filter_fn``: it renames official
+  keys and drops those the family recomputes, before ``load_pretrained`` compares keys strictly),
+  ``describe_variant(name)`` for summaries.
 
 Families are imported lazily from :data:`FAMILIES`; a family whose module is absent from this checkout is
 skipped, so a new family only needs its module and its name in that tuple.

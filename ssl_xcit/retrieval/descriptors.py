@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssl_xcit.retrieval.datasets import ImageList
+from ssl_xcit.utils.modes import eval_mode
 
 MULTISCALE = (1.0, 1 / math.sqrt(2), 0.5)
 
@@ -41,7 +42,6 @@ def _progress(name: str, i: int, n: int, start: float, every: int = 100) -> None
         print(f"  {name}: {i + 1}/{n} images ({rate:.2f} img/s)", flush=True)
 
 
-@torch.inference_mode()
 def extract_global(
     model: nn.Module,
     images: ImageList,
@@ -53,18 +53,20 @@ def extract_global(
     """L2-normalised CLS embeddings (N, C); with several scales, the mean over rescaled inputs, then L2.
 
     ``scales`` (1, 1/sqrt2, 1/2) is DINO's ``multi_scale``: inputs are bilinearly resized (antialiased), each
-    side rounded to a patch multiple.
+    side rounded to a patch multiple. The model runs in eval mode on ``device`` and is handed back in its own
+    modes, on its own device.
     """
-    model.eval().to(device)
     out = None
     start = time.perf_counter()
-    for x, i in _loader(images, num_workers):
-        x = x.unsqueeze(0).to(device)
-        feat = sum(model(_rescale(x, s, images.patch_size)).float() for s in scales) / len(scales)
-        if out is None:
-            out = torch.empty(len(images), feat.shape[1])
-        out[i] = F.normalize(feat[0], dim=0).cpu()
-        _progress(progress, i, len(images), start) if progress else None
+    # eval_mode outside inference mode: the caller's tensors it hands back must stay usable for training.
+    with eval_mode(model, device), torch.inference_mode():
+        for x, i in _loader(images, num_workers):
+            x = x.unsqueeze(0).to(device)
+            feat = sum(model(_rescale(x, s, images.patch_size)).float() for s in scales) / len(scales)
+            if out is None:
+                out = torch.empty(len(images), feat.shape[1])
+            out[i] = F.normalize(feat[0], dim=0).cpu()
+            _progress(progress, i, len(images), start) if progress else None
     return out
 
 
@@ -78,7 +80,6 @@ def select_local(tokens: torch.Tensor, max_local: int | None) -> torch.Tensor:
     return F.normalize(tokens[keep].float(), dim=-1)
 
 
-@torch.inference_mode()
 def extract_local(
     model: nn.Module,
     images: ImageList,
@@ -93,18 +94,19 @@ def extract_local(
 
     Each image's patch tokens are capped to ``max_local`` by norm, L2-normalised, then passed through
     ``transform`` (the learnt PCA, which L2-normalises again) and stored as ``dtype`` (float16 by default:
-    ROxford at 1,000 x 128-d is 1.3 GB instead of 2.6 GB).
+    ROxford at 1,000 x 128-d is 1.3 GB instead of 2.6 GB). The model is handed back as in
+    :func:`extract_global`.
     """
-    model.eval().to(device)
     per_image: list[torch.Tensor | None] = [None] * len(images)
     start = time.perf_counter()
-    for x, i in _loader(images, num_workers):
-        tokens, _ = model.forward_patch_tokens(x.unsqueeze(0).to(device))
-        desc = select_local(tokens[0], max_local)
-        if transform is not None:
-            desc = transform(desc.cpu())
-        per_image[i] = desc.to("cpu", dtype)
-        _progress(progress, i, len(images), start) if progress else None
+    with eval_mode(model, device), torch.inference_mode():
+        for x, i in _loader(images, num_workers):
+            tokens, _ = model.forward_patch_tokens(x.unsqueeze(0).to(device))
+            desc = select_local(tokens[0], max_local)
+            if transform is not None:
+                desc = transform(desc.cpu())
+            per_image[i] = desc.to("cpu", dtype)
+            _progress(progress, i, len(images), start) if progress else None
     counts = torch.tensor([d.shape[0] for d in per_image], dtype=torch.long)
     return torch.cat(per_image), counts
 

@@ -36,6 +36,7 @@ from ssl_xcit.retrieval.stages import (
     rank,
 )
 from ssl_xcit.utils.io import atomic_write_json
+from ssl_xcit.utils.modes import eval_mode
 
 __all__ = [
     "DEFAULT_K",
@@ -79,7 +80,8 @@ def _image_sets(
 def run_retrieval(config: RetrievalConfig, model: nn.Module | None = None) -> dict[str, object]:
     """Run one benchmark and return the results dict (also written to ``config.output`` as JSON).
 
-    A ``model`` passed in is used in eval mode and given back in the modes it came in with.
+    A ``model`` passed in is used in eval mode on ``config.device`` and given back in the modes it came in with,
+    on the device it came from (a live module, e.g. DINO's teacher during fit, carries on training).
     """
     config.validate()
     if config.threads:
@@ -97,9 +99,7 @@ def run_retrieval(config: RetrievalConfig, model: nn.Module | None = None) -> di
         from ssl_xcit.models import build_backbone
 
         model = build_backbone(config.weights, config.arch)
-    modes = {name: m.training for name, m in model.named_modules()}
-    model.eval()
-    try:
+    with eval_mode(model, config.device):  # once for every extraction step of the run
         arch = getattr(model, "name", None) or config.arch or type(model).__name__
         cache_dir = (
             None if config.no_cache else Path(config.cache_dir) if config.cache_dir else default_cache_dir()
@@ -109,10 +109,6 @@ def run_retrieval(config: RetrievalConfig, model: nn.Module | None = None) -> di
         timings["setup_s"] = time.perf_counter() - t0
         ranking = cls_ranking if config.method == "cls" else local_ranking
         ranks, result = ranking(store, db_images, q_images, train_images, timings)
-    finally:
-        # A live module (e.g. DINO's teacher during fit) must keep its own modes.
-        for name, m in model.named_modules():
-            m.training = modes.get(name, m.training)
     result.update(
         dataset=dataset.name,
         protocol=dataset.protocol,

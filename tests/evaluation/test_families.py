@@ -1,13 +1,17 @@
-"""k-NN and the linear probe on CaiT and timm-ViT backbones, through the CLI (flowers5, 20 images, depth 1)."""
+"""k-NN and the linear probe on every backbone family: through the CLI (flowers5, 20 images, depth 1), and the
+probe with pooled patch tokens on random images."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from ssl_xcit.cli import main
 from ssl_xcit.evaluation.features import FeatureConfig, compute_features
 from ssl_xcit.evaluation.knn import knn_accuracy
+from ssl_xcit.evaluation.linear import LinearProbe
 from ssl_xcit.models import create_model
 
 FAMILIES = [
@@ -88,3 +92,29 @@ def test_linear_probe_features_of_the_family(name, kwargs):
     assert four.shape == (2, 4 * c)
     torch.testing.assert_close(four[:, 2 * c : 3 * c], cls, rtol=1e-4, atol=1e-5)  # the last block's CLS
     torch.testing.assert_close(four[:, 3 * c :], tokens.mean(1))
+
+
+@pytest.mark.parametrize("name,kwargs", [("xcit_nano_12_p16", {"depth": 1}), *FAMILIES])
+def test_linear_probe_with_pooled_patch_tokens_trains_on_the_family(name, kwargs, tmp_path):
+    """Full-mode ``--avgpool-patchtokens``: heads sized from ``dense_dim`` (CrossFormer++'s stage-3 tokens are
+    half its embedding width), then a training step and a validation pass on images."""
+    weights, model = _weights(tmp_path, name, kwargs)
+    probe = LinearProbe(
+        weights=str(weights), num_classes=3, avgpool_patchtokens=True, lrs=[0.1], per_device_batch_size=4
+    )
+    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+    with torch.no_grad():
+        expected = compute_features(model, images, FeatureConfig(1, True))
+    assert probe.feature_dim == model.embed_dim + model.dense_dim == expected.shape[1]
+    with torch.no_grad():
+        assert [logits.shape for logits in probe(images)] == [(4, 3)]
+    head = probe.heads[0].weight.clone()
+    loader = DataLoader(TensorDataset(images, labels), batch_size=4)
+    probe.write_on_fit_end = False
+    trainer = pl.Trainer(
+        max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(probe, loader, loader)
+    assert trainer.global_step == 1 and not torch.equal(probe.heads[0].weight, head)
+    assert probe.results is not None and 0.0 <= probe.results["best"]["top1"] <= 100.0

@@ -150,6 +150,45 @@ def test_live_model_gets_its_modes_back(setup):
     assert {name: m.training for name, m in model.named_modules()} == before
 
 
+class _Stop(Exception):
+    """Raised from inside the first forward pass: the meta device holds no values to finish a run with."""
+
+
+@pytest.mark.parametrize("method", ["cls", "vlad"])
+def test_live_model_gets_its_device_back(setup, method):
+    """The model runs on ``config.device`` (meta here; a GPU teacher evaluated on the CPU in use) and is handed
+    back on its own device, with its own tensors, also when extraction stops with an error."""
+    torch.manual_seed(0)
+    model = create_model(ARCH).train()
+    params = list(model.parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+
+    def stop(module, args):
+        seen.append({t.device.type for t in [*model.parameters(), *model.buffers()]})
+        raise _Stop
+
+    model.patch_embed.register_forward_pre_hook(stop)
+    cfg = RetrievalConfig(
+        "ukbench",
+        str(setup["mini"] / "ukbench"),
+        method=method,
+        weights=str(setup["weights"]),  # keys the run by file: the meta copy has no values to hash
+        arch=ARCH,
+        resolution=64,
+        no_cache=True,
+        device="meta",
+        train_images=str(setup["train"]),
+    )
+    with pytest.raises(_Stop):
+        run_retrieval(cfg, model=model)
+    assert seen == [{"meta"}]  # extract_global (cls) or extract_local (vlad) ran on the requested device
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    for key, value in model.state_dict().items():
+        assert value.device.type == "cpu" and torch.equal(value, state[key]), key
+    assert all(m.training for m in model.modules())
+
+
 def test_ukbench_ns_score_and_self_retrieval(setup):
     result, _ = run_cli(setup, "cls", "ukbench", setup["mini"] / "ukbench")
     # Every image is its own nearest neighbour, so N-S >= 1 (the query counts in UKBench's top 4).

@@ -88,7 +88,7 @@ class LinearProbe(pl.LightningModule):
         self.config = FeatureConfig(n_last_blocks, avgpool_patchtokens)
         if feature_dim is None:
             self.backbone = features_module.build_eval_backbone(weights, arch, seed)
-            self.feature_dim = self.config.dim(self.backbone.embed_dim)
+            self.feature_dim = self.config.dim(self.backbone)
         else:
             self.backbone = None
             self.feature_dim = int(feature_dim)
