@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.utils.io import make_private_dir
 
 RUN_DIR_ENV = "SSL_XCIT_RUN_DIR"
@@ -151,9 +152,8 @@ def agree(launcher: Launcher, root: Path, choose: Callable[[], dict[str, Any]]) 
         return choice
     choice = _receive(launcher, root)
     if "error" in choice:
-        kind = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}.get(
-            choice["type"], RuntimeError
-        )
+        kinds = {"FileNotFoundError": FileNotFoundError, "UserError": UserError, "ValueError": ValueError}
+        kind = kinds.get(choice["type"], RuntimeError)
         raise kind(choice["error"])
     return choice
 

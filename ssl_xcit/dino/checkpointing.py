@@ -18,6 +18,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.utils.io import atomic_torch_save
 
 
@@ -46,7 +47,7 @@ def dino_checkpoints(
     is saved; with ``every_n_epochs=1`` one instance does both (two would share a callback state key).
     """
     if every_n_epochs < 1:
-        raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+        raise UserError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
     common = dict(dirpath=dirpath, every_n_epochs=1, save_on_train_epoch_end=True)
     if every_n_epochs == 1:
         return [ModelCheckpoint(filename=filename, save_top_k=-1, save_last=True, **common)]

@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
 from ssl_xcit.data.transforms import describe_transform
+from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation import cache as feature_cache
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class FeatureConfig:
 
     def __post_init__(self) -> None:
         if self.n_last_blocks < 1:
-            raise ValueError(f"n_last_blocks must be >= 1, got {self.n_last_blocks}")
+            raise UserError(f"n_last_blocks must be >= 1, got {self.n_last_blocks}")
 
     @property
     def name(self) -> str:
@@ -236,14 +237,14 @@ def check_not_empty(dataset: Dataset, name: str, root: str | os.PathLike | None 
     """Raise a clear error for a split without images."""
     if len(dataset) == 0:  # type: ignore[arg-type]
         where = f" ({root})" if root is not None else ""
-        raise ValueError(f"the {name} split{where} has no images; it needs at least one readable image")
+        raise UserError(f"the {name} split{where} has no images; it needs at least one readable image")
 
 
 def check_same_classes(train_classes: list[str] | None, val_classes: list[str] | None) -> None:
     """Train and val must have the same class folders, else label i would mean different classes in each."""
     if train_classes is None or val_classes is None:
         missing = "train" if train_classes is None else "val"
-        raise ValueError(
+        raise UserError(
             f"the {missing} split has no class labels; k-NN and linear evaluation need ImageFolder trees "
             "(one subfolder per class) for both train and val"
         )
@@ -251,7 +252,7 @@ def check_same_classes(train_classes: list[str] | None, val_classes: list[str] |
         return
     only_train = sorted(set(train_classes) - set(val_classes))
     only_val = sorted(set(val_classes) - set(train_classes))
-    raise ValueError(
+    raise UserError(
         "train and val class sets differ: "
         f"only in train: {only_train or 'none'}; only in val: {only_val or 'none'} "
         f"({len(train_classes)} train vs {len(val_classes)} val classes). Both splits need the same class "
@@ -269,7 +270,7 @@ def build_eval_backbone(weights: str | os.PathLike | None, arch: str | None, see
 
     if weights is None:
         if arch is None:
-            raise ValueError("give --weights, or --arch NAME to evaluate a randomly initialised backbone")
+            raise UserError("give --weights, or --arch NAME to evaluate a randomly initialised backbone")
         torch.manual_seed(seed)
     elif not Path(weights).is_file():
         raise FileNotFoundError(f"weights file not found: {weights}")
@@ -358,7 +359,7 @@ def dataset_features(
         extractor_hook=extractor_hook,
     )
     if result["features"].shape[0] == 0:
-        raise ValueError(f"the {split} split has no readable images: all {len(dataset)} files failed to load")
+        raise UserError(f"the {split} split has no readable images: all {len(dataset)} files failed to load")
     if use_cache and is_zero:
         feature_cache.save_cached(cache_dir, split, meta, result)
     return result, False

@@ -11,7 +11,7 @@ computes them:
 ``get_intermediate_cls``    global embeddings computed from chosen blocks (ViT-style linear probes)
 ``get_attention_maps(x)``   per block, the attention of the global query over the patch grid (B, heads, h*w),
                             and the grid; raises :class:`AttentionNotSupported` where there is no such query
-``check_input(x)``          ``ValueError`` naming the size and the constraint when the input cannot be taken
+``check_input(x)``          ``UserError`` naming the size and the constraint when the input cannot be taken
 =========================== ==============================================================================
 
 Class attributes: ``family`` (registry family), ``name`` (registry variant), ``embed_dim``, ``dense_dim``,
@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import Tensor, nn
+
+from ssl_xcit.errors import UserError
 
 
 class AttentionNotSupported(NotImplementedError):
@@ -48,7 +50,7 @@ class Backbone(nn.Module):
         if height % m or width % m or height == 0 or width == 0:
             hint = f"{max(m, round(height / m) * m)}x{max(m, round(width / m) * m)}"
             reason = f"; {self.size_reason}" if self.size_reason else ""
-            raise ValueError(
+            raise UserError(
                 f"input size {height}x{width} does not fit {self.name}: both sides must be positive "
                 f"multiples of {m} (e.g. {hint}){reason}"
             )
@@ -59,7 +61,7 @@ class Backbone(nn.Module):
         indices = list(range(total - n, total)) if isinstance(n, int) else [int(i) for i in n]
         bad = [i for i in indices if not -total <= i < total]
         if bad or not indices:
-            raise ValueError(
+            raise UserError(
                 f"block indices {bad or indices} are out of range for {self.name} with {total} blocks{detail}"
             )
         return sorted(i % total for i in indices)
