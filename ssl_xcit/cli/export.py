@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.utils.io import atomic_torch_save
+from ssl_xcit.utils.io import atomic_torch_save, owner_only
 
 TEACHER_PREFIX = "teacher.backbone."
 
@@ -54,9 +54,7 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
     hparams = checkpoint.get("hyper_parameters") or {}
     name = hparams.get("backbone")
     if not isinstance(name, str):
-        raise UserError(
-            f"{checkpoint_path} does not record its backbone name (hyper_parameters['backbone'])"
-        )
+        raise UserError(f"{checkpoint_path} does not record its backbone name (hyper_parameters['backbone'])")
     kwargs = dict(hparams.get("backbone_kwargs") or {})
     model = create_model(name, **kwargs)
     model.load_state_dict(state, strict=True)
@@ -65,7 +63,7 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
     # Only the architecture arguments: training-time ones (drop_path_rate) do not describe the weights.
     arch = {k: v for k, v in kwargs.items() if k != "drop_path_rate"}
     record = {"state_dict": plain, "hyper_parameters": {"backbone": model.name, "backbone_kwargs": arch}}
-    return atomic_torch_save(record, out_path, private=True), name
+    return atomic_torch_save(record, out_path, private=owner_only()), name
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:

@@ -26,7 +26,7 @@ from typing import Any
 import timm
 import torch
 
-from ssl_xcit.utils.io import atomic_torch_save, sha256_file, sha256_json
+from ssl_xcit.utils.io import atomic_torch_save, owner_only, sha256_file, sha256_json
 
 __all__ = [
     "CACHE_FORMAT",
@@ -91,7 +91,7 @@ def save_cached(
         "meta": _normalise_meta(meta),
         "tensors": {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
     }
-    return atomic_torch_save(entry, path, private=True)
+    return atomic_torch_save(entry, path, private=owner_only())
 
 
 def files_fingerprint(paths: Iterable[str | os.PathLike], labels: Iterable[int] | None = None) -> str:
