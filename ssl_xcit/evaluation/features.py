@@ -6,10 +6,12 @@ dataset over the GPUs (an unrepeated distributed sampler, so no image is counted
 index. Corrupt images come back as ``None`` from the dataset and are dropped by the collate function, so they
 are simply absent from ``indices``: features and labels stay aligned. On CPU it is one process.
 
-``dataset_features(...)`` adds the cache: the key is the checkpoint's sha256, the model name, the transform's
-full ``repr``, the feature type, a fingerprint of the file list (paths, sizes, mtimes, labels), the precision,
-the extraction version and a fingerprint of the model code. The backbone
-is built only on a cache miss, so a re-run with the same inputs does not touch the model or the images.
+``dataset_features(...)`` adds the cache: the key is the weights (the checkpoint's sha256 and the model name, or
+the class, structure and tensors of a module passed in), the transform's full ``repr``, the feature type, a
+fingerprint of the file list (paths, sizes, mtimes, labels), the precision, the extraction version, the versions
+of torch, torchvision, Pillow and timm, the source of our decoding and resizing code and a fingerprint of the
+model code. The backbone is built only on a cache miss, so a re-run with the same inputs does not touch the
+model or the images.
 """
 
 from __future__ import annotations
@@ -279,6 +281,41 @@ def build_eval_backbone(weights: str | os.PathLike | None, arch: str | None, see
     return model.eval()
 
 
+# Packages whose code is keyed by version (feature_cache.library_versions), not by source.
+_LIBRARIES = ("PIL", "timm", "torch", "torchvision")
+
+
+def _transform_parts(transform: Any) -> list[Any]:
+    """``transform`` and, recursively, the transforms it chains (``Compose.transforms`` and the like)."""
+    parts, todo = [], [transform]
+    while todo:
+        part = todo.pop(0)
+        if part is None:
+            continue
+        parts.append(part)
+        inner = getattr(part, "transforms", None)
+        if isinstance(inner, (list, tuple)):
+            todo.extend(inner)
+    return parts
+
+
+def input_code_fingerprint(dataset: Any) -> str:
+    """Source fingerprint of our code between an image file and the model input: the dataset class (its
+    ``__getitem__`` picks the reader), the reader it calls (the transform's own ``read``, else
+    ``ssl_xcit.data.datasets.load_image``) and every transform class outside the libraries (whose code is
+    keyed by their versions)."""
+    from ssl_xcit.data import datasets
+
+    transform = getattr(dataset, "transform", None)
+    reader = getattr(transform, "read", None) or datasets.load_image
+    ours = [
+        type(part)
+        for part in _transform_parts(transform)
+        if type(part).__module__.split(".")[0] not in _LIBRARIES
+    ]
+    return feature_cache.source_fingerprint(type(dataset), reader, *ours)
+
+
 def feature_meta(
     dataset: Any,
     *,
@@ -288,15 +325,24 @@ def feature_meta(
     seed: int = 0,
     precision: str | int | None = None,
     extra: Mapping[str, Any] | None = None,
+    model: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """The cache key: everything the features depend on."""
+    """The cache key: everything the features depend on.
+
+    With a ``model`` the key holds its :func:`~ssl_xcit.evaluation.cache.module_fingerprint` and ignores
+    ``weights``, ``arch`` and ``seed``: the module given is what computes the features.
+    """
     samples = getattr(dataset, "samples", None)
     if samples is None:
         raise TypeError("dataset_features needs a dataset with a .samples list of (path, label)")
+    from_file = model is None
     meta = {
-        "checkpoint_sha256": feature_cache.checkpoint_fingerprint(weights),
-        "arch": arch or "inferred-from-checkpoint",
-        "init_seed": seed if weights is None else None,
+        "checkpoint_sha256": feature_cache.checkpoint_fingerprint(weights) if from_file else None,
+        "arch": (arch or "inferred-from-checkpoint") if from_file else None,
+        "init_seed": seed if from_file and weights is None else None,
+        "module": None if from_file else feature_cache.module_fingerprint(model),
+        "libraries": feature_cache.library_versions(),
+        "input_code": input_code_fingerprint(dataset),
         "transform": describe_transform(getattr(dataset, "transform", None)),
         "classes": list(getattr(dataset, "classes", None) or []),
         "files": feature_cache.files_fingerprint([p for p, _ in samples], [int(y) for _, y in samples]),
@@ -331,11 +377,17 @@ def dataset_features(
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """Features of ``dataset`` (cached per split): returns ``(tensors, cache_hit)``.
 
-    ``model`` (a module, or a zero-argument factory called only on a cache miss) skips building the backbone
-    here, so callers evaluating train and val share one. A missing weights file raises ``FileNotFoundError`` naming it before anything else runs.
+    ``model`` skips building the backbone here, so callers evaluating train and val share one. A module is
+    keyed on its own class, structure and tensors (``weights``, ``arch`` and ``seed`` then play no part); a
+    zero-argument factory is called only on a cache miss, so the key is ``weights``, ``arch`` and ``seed``,
+    which it must build. A missing weights file raises ``FileNotFoundError`` naming it before anything else
+    runs.
     """
     check_not_empty(dataset, split, getattr(dataset, "root", None))
-    meta = feature_meta(dataset, weights=weights, arch=arch, config=config, seed=seed, precision=precision)
+    module = model if isinstance(model, nn.Module) else None
+    meta = feature_meta(
+        dataset, weights=weights, arch=arch, config=config, seed=seed, precision=precision, model=module
+    )
     cache_dir = Path(cache_dir) if cache_dir is not None else feature_cache.default_cache_dir()
     if use_cache:
         cached = feature_cache.load_cached(cache_dir, split, meta)
