@@ -50,4 +50,6 @@ def _deterministic_torch():
 def _isolated_cache(tmp_path_factory, monkeypatch):
     # Generated datasets and feature caches go to a per-session temporary folder, never to the user's home.
     monkeypatch.setenv("SSL_XCIT_CACHE", str(tmp_path_factory.getbasetemp() / "ssl_xcit_cache"))
+    # File modes are tested with and without owner-only files; the caller's own setting must not leak in.
+    monkeypatch.delenv("SSL_XCIT_PRIVATE", raising=False)
     yield

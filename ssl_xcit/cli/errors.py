@@ -2,8 +2,11 @@
 
 An expected error (a missing path, a bad value, an unknown model or key) ends the command with one or two
 lines on stderr: what is wrong, the bad value and what would be valid, and exit status 2. ``--traceback``
-(anywhere on the command line) or ``SSL_XCIT_TRACEBACK=1`` shows the full traceback instead. Anything else
-(a bug) keeps its traceback.
+(anywhere on the command line) or ``SSL_XCIT_TRACEBACK=1`` shows the full traceback instead.
+
+Expected errors are the toolkit's own :class:`~ssl_xcit.errors.UserError` (and ``TrainingDiverged``) and the
+library errors that only bad input causes (:data:`USER_ERRORS`). Anything else, a plain ``ValueError`` from
+torch included, is a bug and keeps its traceback and Python's exit status 1.
 """
 
 from __future__ import annotations
@@ -17,21 +20,28 @@ import sys
 from collections.abc import Iterable
 from typing import NoReturn
 
+from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser
+from PIL import UnidentifiedImageError
+
+from ssl_xcit.errors import TrainingDiverged, UserError
 
 TRACEBACK_ENV = "SSL_XCIT_TRACEBACK"
 TRACEBACK_FLAG = "--traceback"
 EXIT_USER_ERROR = 2
-# Errors our code raises for bad input (each message names the value and what is valid).
+# Errors only bad input causes: ours (each message names the value and what is valid), a path the user gave
+# that is missing or not writable, and the libraries' own reports of a bad setting or file.
 USER_ERRORS: tuple[type[BaseException], ...] = (
+    UserError,
+    TrainingDiverged,
     FileNotFoundError,
     NotADirectoryError,
     IsADirectoryError,
     FileExistsError,
     PermissionError,
-    ValueError,
-    FloatingPointError,
+    UnidentifiedImageError,  # PIL: a file given as an image is not one
+    ArgumentError,  # jsonargparse: a value the config or command line cannot take
     MisconfigurationException,  # Lightning's own "this Trainer setting cannot work"
 )
 HINT = f"(add {TRACEBACK_FLAG} or set {TRACEBACK_ENV}=1 for the full traceback)"
@@ -43,16 +53,29 @@ def traceback_requested(argv: list[str]) -> tuple[bool, list[str]]:
     return wanted, [a for a in argv if a != TRACEBACK_FLAG]
 
 
+def _raised_in_jsonargparse(err: BaseException) -> bool:
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("jsonargparse")
+
+
 def user_error(err: BaseException) -> BaseException | None:
-    """The innermost expected error in ``err``'s cause chain (jsonargparse wraps the real one), or None."""
-    found = None
+    """The expected error that ``err`` reports, or None when it is a bug (which then keeps its traceback).
+
+    jsonargparse re-raises whatever a configured class's ``__init__`` raised as its own ``ValueError`` "from"
+    it, so an error raised inside jsonargparse with a cause is judged by that cause. Any other error is judged
+    by itself: a bug raised while handling a missing file is still a bug.
+    """
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, USER_ERRORS):
-            found = err
-        err = err.__cause__ or err.__context__
-    return found
+        cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+        if cause is not None and _raised_in_jsonargparse(err):
+            err = cause
+            continue
+        return err if isinstance(err, USER_ERRORS) else None
+    return None
 
 
 def short_message(err: BaseException) -> str:

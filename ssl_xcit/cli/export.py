@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ssl_xcit.utils.io import atomic_torch_save
+from ssl_xcit.errors import UserError
+from ssl_xcit.utils.io import atomic_torch_save, owner_only
 
 TEACHER_PREFIX = "teacher.backbone."
 
@@ -28,11 +29,11 @@ def teacher_backbone_state(checkpoint: dict[str, Any], source: str = "checkpoint
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         keys = list(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise ValueError(f"{source} is not a Lightning checkpoint (no 'state_dict'); top-level keys: {keys}")
+        raise UserError(f"{source} is not a Lightning checkpoint (no 'state_dict'); top-level keys: {keys}")
     out = {k[len(TEACHER_PREFIX) :]: v for k, v in state.items() if k.startswith(TEACHER_PREFIX)}
     if not out:
         prefixes = sorted({k.split(".")[0] for k in state})
-        raise ValueError(
+        raise UserError(
             f"{source} has no teacher backbone (no '{TEACHER_PREFIX}*' keys; top-level modules: {prefixes}); "
             "export needs a checkpoint of ssl_xcit.dino.module.DINO"
         )
@@ -53,9 +54,7 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
     hparams = checkpoint.get("hyper_parameters") or {}
     name = hparams.get("backbone")
     if not isinstance(name, str):
-        raise ValueError(
-            f"{checkpoint_path} does not record its backbone name (hyper_parameters['backbone'])"
-        )
+        raise UserError(f"{checkpoint_path} does not record its backbone name (hyper_parameters['backbone'])")
     kwargs = dict(hparams.get("backbone_kwargs") or {})
     model = create_model(name, **kwargs)
     # iBOT's mask token is a training input, not part of the network one evaluates: the export leaves it out.
@@ -66,7 +65,7 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
     # Only the architecture arguments: training-time ones (drop_path_rate) do not describe the weights.
     arch = {k: v for k, v in kwargs.items() if k != "drop_path_rate"}
     record = {"state_dict": plain, "hyper_parameters": {"backbone": model.name, "backbone_kwargs": arch}}
-    return atomic_torch_save(record, out_path, private=True), name
+    return atomic_torch_save(record, out_path, private=owner_only()), name
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:
@@ -82,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     args = parser.parse_args(None if argv is None else list(argv))
     try:
         path, name = export_teacher(args.checkpoint, args.out)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, UserError) as err:
         parser.exit(2, f"ssl-xcit export: error: {err}\n")
     print(f"exported the teacher backbone ({name}) of {args.checkpoint} to {path}")
     return {"out": str(path), "model": name}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.retrieval.datasets import DATASETS
 from ssl_xcit.retrieval.pipeline import METHODS, RetrievalConfig, run_retrieval
 
@@ -115,7 +116,7 @@ def parse_config(argv: Sequence[str] | None) -> RetrievalConfig:
         known = {f.name for f in fields(RetrievalConfig)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown keys {unknown} in {path}; valid: {', '.join(sorted(known))}")
+            raise UserError(f"unknown keys {unknown} in {path}; valid: {', '.join(sorted(known))}")
     values.update({k: v for k, v in args.items() if v is not None})
     if str(values.get("weights", "")).lower() == "none":
         values["weights"] = None

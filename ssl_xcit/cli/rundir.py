@@ -29,7 +29,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ssl_xcit.utils.io import make_private_dir
+from fsspec.utils import get_protocol
+
+from ssl_xcit.errors import UserError
+from ssl_xcit.utils.io import make_dir, owner_only
 
 RUN_DIR_ENV = "SSL_XCIT_RUN_DIR"
 LAST = "last.ckpt"
@@ -151,9 +154,8 @@ def agree(launcher: Launcher, root: Path, choose: Callable[[], dict[str, Any]]) 
         return choice
     choice = _receive(launcher, root)
     if "error" in choice:
-        kind = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}.get(
-            choice["type"], RuntimeError
-        )
+        kinds = {"FileNotFoundError": FileNotFoundError, "UserError": UserError, "ValueError": ValueError}
+        kind = kinds.get(choice["type"], RuntimeError)
         raise kind(choice["error"])
     return choice
 
@@ -242,6 +244,14 @@ def place_run(
     place; for ``validate``/``test``/``predict`` its logs go to a ``<subcommand>/`` subfolder of the run.
     """
     trainer = config.trainer
+    for name, value in (("trainer.default_root_dir", trainer.default_root_dir), ("run_dir", run_dir)):
+        if value and get_protocol(str(value)) != "file":
+            # pathlib would turn "s3://b/runs" into a local folder "s3:/b/runs" and write there silently.
+            raise UserError(
+                f"{name} {value} is a remote URL, but the command line numbers and resumes runs in a folder on "
+                "a local or mounted disk; give such a path (checkpoints on remote storage work from Python: "
+                "Trainer(default_root_dir=URL) writes through Lightning's fsspec IO)"
+            )
     root = Path(trainer.default_root_dir or "runs").expanduser()
     ckpt_path = getattr(config, "ckpt_path", None)
     if child_run_dir:  # a DDP process started by Lightning: the launcher already chose
@@ -277,5 +287,5 @@ def place_run(
         args = _init_args(entry)
         if args is not None and entry.class_path in _CHECKPOINT and getattr(args, "dirpath", None) is None:
             args.dirpath = str(run / "checkpoints")
-    make_private_dir(run / "checkpoints")
+    make_dir(run / "checkpoints", private=owner_only())
     return run, message

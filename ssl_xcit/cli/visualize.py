@@ -15,6 +15,8 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from ssl_xcit.errors import UserError
+
 KINDS = ("attention", "pca", "neighbours", "retrieval", "curves")
 
 
@@ -91,7 +93,7 @@ def _backbone(args: argparse.Namespace):
     from ssl_xcit.models import build_backbone
 
     if args.weights is None and args.arch is None:
-        raise ValueError("give --weights, or --arch NAME for a randomly initialised backbone")
+        raise UserError("give --weights, or --arch NAME for a randomly initialised backbone")
     torch.manual_seed(args.seed)
     return build_backbone(args.weights, args.arch).eval()
 
@@ -151,7 +153,7 @@ def render(args: argparse.Namespace) -> Path:
             from ssl_xcit.retrieval import RetrievalConfig, load_dataset, run_retrieval
 
             if not (args.dataset and args.data_root):
-                raise ValueError(
+                raise UserError(
                     "give --results JSON, or --dataset and --data-root (with --weights or --arch)"
                 )
             config = RetrievalConfig(
@@ -189,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
     try:
         png = render(args)
-    except (ValueError, FileNotFoundError, AttentionNotSupported) as error:
+    except (UserError, FileNotFoundError, AttentionNotSupported) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SystemExit(f"ssl-xcit visualize {args.kind}: {first}") from error
     print(f"wrote {png}" + (f" and {png.with_suffix('.html')}" if args.html else ""))

@@ -27,6 +27,7 @@ from PIL import Image, ImageOps
 from torchvision.transforms import RandomResizedCrop
 
 from ssl_xcit.data.transforms import _check_probability, _check_scale, _check_size, _interpolation
+from ssl_xcit.errors import UserError
 
 _RATIO = (3.0 / 4.0, 4.0 / 3.0)
 _PIL_RESAMPLE = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC}
@@ -74,10 +75,10 @@ class MultiCropGeometry:
         draft: bool = True,
     ) -> None:
         if local_crops_number < 0 or int(local_crops_number) != local_crops_number:
-            raise ValueError(f"local_crops_number must be an integer >= 0, got {local_crops_number!r}")
+            raise UserError(f"local_crops_number must be an integer >= 0, got {local_crops_number!r}")
         mode = _interpolation(interpolation).value
         if mode not in _PIL_RESAMPLE:
-            raise ValueError(f"unknown interpolation {interpolation!r}; valid: {sorted(_PIL_RESAMPLE)}")
+            raise UserError(f"unknown interpolation {interpolation!r}; valid: {sorted(_PIL_RESAMPLE)}")
         self.global_crops_size = _check_size("global_crops_size", global_crops_size)
         self.global_crops_scale = _check_scale("global_crops_scale", global_crops_scale)
         self.local_crops_number = int(local_crops_number)

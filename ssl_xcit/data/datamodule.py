@@ -27,6 +27,7 @@ from ssl_xcit.data.device_augment import PhotometricAugment, seed_for_rank
 from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
+from ssl_xcit.errors import UserError
 
 AUGMENT_ON = ("auto", "cpu", "device")
 
@@ -124,15 +125,15 @@ class DINODataModule(L.LightningDataModule):
                     + (" (omit data.root to use the built-in synthetic dataset)" if name == "root" else "")
                 )
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+            raise UserError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
         if val_fraction > 0 and val_root is not None:
-            raise ValueError("give either val_root or val_fraction > 0 for the k-NN val set, not both")
+            raise UserError("give either val_root or val_fraction > 0 for the k-NN val set, not both")
         if batch_size < 1 or num_workers < 0:
-            raise ValueError(f"need batch_size >= 1 and num_workers >= 0, got {batch_size} and {num_workers}")
+            raise UserError(f"need batch_size >= 1 and num_workers >= 0, got {batch_size} and {num_workers}")
         if knn_bank_limit is not None and knn_bank_limit < 1:
-            raise ValueError(f"knn_bank_limit must be >= 1 or None, got {knn_bank_limit!r}")
+            raise UserError(f"knn_bank_limit must be >= 1 or None, got {knn_bank_limit!r}")
         if augment_on not in AUGMENT_ON:
-            raise ValueError(
+            raise UserError(
                 f"augment_on must be 'auto', 'cpu' (PIL augmentation in the workers) or 'device' (photometric "
                 f"part batched on the training device), got {augment_on!r}"
             )
@@ -227,7 +228,7 @@ class DINODataModule(L.LightningDataModule):
         val_set: ImageDataset | None = None
         if hp.val_fraction > 0:
             if not full.labelled:
-                raise ValueError(
+                raise UserError(
                     f"val_fraction={hp.val_fraction} needs a labelled root (ImageFolder tree or list file with "
                     f"labels), but {train_root} is unlabelled; give a labelled val_root instead"
                 )
@@ -260,7 +261,7 @@ class DINODataModule(L.LightningDataModule):
         world = self.trainer.world_size if self.trainer is not None else 1
         per_rank = len(self.train_dataset) // max(world, 1)
         if per_rank < self.hparams.batch_size:
-            raise ValueError(
+            raise UserError(
                 f"{train_root} has {len(self.train_dataset)} training images ({per_rank} per device on {world}), "
                 f"fewer than batch_size={self.hparams.batch_size}: with drop_last no full batch would be left; "
                 "lower data.batch_size"
@@ -285,7 +286,7 @@ class DINODataModule(L.LightningDataModule):
         index = {name: i for i, name in enumerate(classes)}
         unknown = sorted(set(val_set.classes) - set(index))
         if unknown:
-            raise ValueError(
+            raise UserError(
                 f"val_root {val_root} has classes absent from the training data: {unknown[:10]}; "
                 f"training classes: {classes[:10]}{'...' if len(classes) > 10 else ''}"
             )

@@ -23,6 +23,8 @@ import torch
 from PIL import Image, ImageOps
 from torch.utils.data import Dataset, default_collate
 
+from ssl_xcit.errors import UserError
+
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm")
 
 Sample = tuple[Path, int]
@@ -190,8 +192,8 @@ def _walk_images(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-def _no_images_error(where: Path) -> ValueError:
-    return ValueError(
+def _no_images_error(where: Path) -> UserError:
+    return UserError(
         f"no images found in {where}; accepted extensions (case-insensitive): {', '.join(IMG_EXTENSIONS)}"
     )
 
@@ -199,7 +201,7 @@ def _no_images_error(where: Path) -> ValueError:
 def scan_folder(root: Path, labelled: bool | None = None) -> tuple[list[Sample], list[str] | None]:
     """Samples of a folder: ImageFolder labels when every image lies in a class subfolder, else unlabelled."""
     if not any(os.scandir(root)):
-        raise ValueError(f"data folder {root} is empty; expected images (or class subfolders of images)")
+        raise UserError(f"data folder {root} is empty; expected images (or class subfolders of images)")
     subdirs = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     top_images = [
         e for e in os.scandir(root) if e.is_file() and is_image_file(e.name) and not e.name.startswith(".")
@@ -211,7 +213,7 @@ def scan_folder(root: Path, labelled: bool | None = None) -> tuple[list[Sample],
             samples = [(p, y) for y, name in enumerate(classes) for p in per_class[name]]
             return samples, classes
     if labelled:
-        raise ValueError(
+        raise UserError(
             f"labels were requested but {root} is not an ImageFolder tree: it needs class subfolders holding "
             "every image and no images directly in the root"
         )
@@ -240,7 +242,7 @@ def read_list_file(path: Path, labelled: bool | None = None) -> tuple[list[Sampl
         else:
             entries.append((whole, None))
     if not entries:
-        raise ValueError(f"list file {path} names no images (blank lines and # comments are ignored)")
+        raise UserError(f"list file {path} names no images (blank lines and # comments are ignored)")
     missing = [str(p) for p, _ in entries if not p.is_file()]
     if missing:
         raise FileNotFoundError(
@@ -250,16 +252,16 @@ def read_list_file(path: Path, labelled: bool | None = None) -> tuple[list[Sampl
     has_label = [lab is not None for _, lab in entries]
     if any(has_label) and not all(has_label):
         first = next(str(p) for p, lab in entries if lab is None)
-        raise ValueError(f"list file {path} mixes lines with and without a label column (e.g. {first})")
+        raise UserError(f"list file {path} mixes lines with and without a label column (e.g. {first})")
     if not all(has_label) or labelled is False:
         if labelled:
-            raise ValueError(f"labels were requested but list file {path} has no label column")
+            raise UserError(f"labels were requested but list file {path} has no label column")
         return [(p, -1) for p, _ in entries], None
     labels = [lab for _, lab in entries]
     if all(lab.lstrip("-").isdigit() for lab in labels):
         ints = [int(lab) for lab in labels]
         if min(ints) < 0:
-            raise ValueError(f"list file {path}: labels must be >= 0, got {min(ints)}")
+            raise UserError(f"list file {path}: labels must be >= 0, got {min(ints)}")
         classes = [str(i) for i in range(max(ints) + 1)]
         return [(p, y) for (p, _), y in zip(entries, ints, strict=True)], classes
     classes = sorted(set(labels))
@@ -273,7 +275,7 @@ def build_dataset(
     """An ImageDataset from an ImageFolder tree, any folder of images (recursive), or a list file.
 
     ``labelled``: ``None`` detects labels from the layout, ``False`` ignores them (label -1), ``True`` requires
-    them. A missing root raises ``FileNotFoundError``; an empty or image-less one raises ``ValueError``.
+    them. A missing root raises ``FileNotFoundError``; an empty or image-less one raises ``UserError``.
     """
     root = Path(root).expanduser()
     if not root.exists():
@@ -283,7 +285,7 @@ def build_dataset(
     if root.is_dir():
         samples, classes = scan_folder(root, labelled)
     elif is_image_file(root):
-        raise ValueError(f"data root {root} is a single image; give its folder or a .txt file listing images")
+        raise UserError(f"data root {root} is a single image; give its folder or a .txt file listing images")
     else:
         samples, classes = read_list_file(root, labelled)
     return ImageDataset(samples, classes, transform)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as nnf
 
 from ssl_xcit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ssl_xcit.errors import UserError
 
 # ITU-R 601-2 luma, as PIL's convert("L") and torchvision's rgb_to_grayscale.
 _LUMA = (0.299, 0.587, 0.114)
@@ -139,21 +140,19 @@ class PhotometricAugment:
         std: Sequence[float] = IMAGENET_STD,
     ) -> None:
         if len(color_jitter) != 4:
-            raise ValueError(
+            raise UserError(
                 f"color_jitter is (brightness, contrast, saturation, hue), got {tuple(color_jitter)!r}"
             )
         brightness, contrast, saturation, hue = (float(v) for v in color_jitter)
         for name, value in (("brightness", brightness), ("contrast", contrast), ("saturation", saturation)):
             if value < 0:
-                raise ValueError(f"color_jitter {name} must be >= 0, got {value!r}")
+                raise UserError(f"color_jitter {name} must be >= 0, got {value!r}")
         if not 0.0 <= hue <= 0.5:
-            raise ValueError(f"color_jitter hue must be in [0, 0.5] (a fraction of a turn), got {hue!r}")
+            raise UserError(f"color_jitter hue must be in [0, 0.5] (a fraction of a turn), got {hue!r}")
         if len(blur_radius) != 2 or not 0.0 < blur_radius[0] <= blur_radius[1]:
-            raise ValueError(
-                f"blur radius must be (min, max) with 0 < min <= max, got {tuple(blur_radius)!r}"
-            )
+            raise UserError(f"blur radius must be (min, max) with 0 < min <= max, got {tuple(blur_radius)!r}")
         if not 0 <= solarize_threshold <= 255:
-            raise ValueError(f"solarize_threshold is on the uint8 scale 0..255, got {solarize_threshold!r}")
+            raise UserError(f"solarize_threshold is on the uint8 scale 0..255, got {solarize_threshold!r}")
         probs = [color_jitter_prob, grayscale_prob, local_blur_prob, local_solarize_prob]
         probs += [*global_blur_probs, *global_solarize_probs]
         if (
@@ -161,7 +160,7 @@ class PhotometricAugment:
             or len(global_solarize_probs) != 2
             or not all(0 <= p <= 1 for p in probs)
         ):
-            raise ValueError(
+            raise UserError(
                 "probabilities must lie in [0, 1], with 2 values for global_blur_probs and global_solarize_probs, "
                 f"got {probs!r}"
             )

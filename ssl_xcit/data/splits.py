@@ -9,6 +9,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from ssl_xcit.errors import UserError
+
 S = TypeVar("S", bound=tuple)
 
 
@@ -24,7 +26,7 @@ def stratified_split(samples: Sequence[S], val_fraction: float, seed: int = 0) -
     (adding a class reshuffles every other class) and refuses a class of one sample.
     """
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+        raise UserError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
     by_class: dict[int, list[S]] = defaultdict(list)
     for sample in sorted(samples, key=lambda s: Path(s[0]).as_posix()):
         by_class[int(sample[1])].append(sample)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.utils.io import atomic_write_json, sha256_file
 
 VERSION = 2  # 1: shapes on clutter (DINO could not learn them in minutes); 2: textures
@@ -207,7 +208,7 @@ def ensure_synthetic_dataset(
     default cache folder is replaced. ``verify`` rehashes every file against the manifest.
     """
     if image_size < 8 or num_train_per_class < 1 or num_val_per_class < 0:
-        raise ValueError(
+        raise UserError(
             f"need image_size >= 8, num_train_per_class >= 1, num_val_per_class >= 0; got {image_size}, "
             f"{num_train_per_class}, {num_val_per_class}"
         )

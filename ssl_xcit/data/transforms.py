@@ -20,6 +20,8 @@ from PIL import Image, ImageFilter
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from ssl_xcit.errors import UserError
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -36,24 +38,24 @@ def _interpolation(mode: str | v2.InterpolationMode) -> v2.InterpolationMode:
     try:
         return _INTERPOLATIONS[str(mode).lower()]
     except KeyError:
-        raise ValueError(f"unknown interpolation {mode!r}; valid: {sorted(_INTERPOLATIONS)}") from None
+        raise UserError(f"unknown interpolation {mode!r}; valid: {sorted(_INTERPOLATIONS)}") from None
 
 
 def _check_probability(name: str, p: float) -> float:
     if not 0.0 <= float(p) <= 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
+        raise UserError(f"{name} must be a probability in [0, 1], got {p!r}")
     return float(p)
 
 
 def _check_scale(name: str, scale: Sequence[float]) -> tuple[float, float]:
     if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
-        raise ValueError(f"{name} must be (min, max) with 0 < min <= max <= 1, got {tuple(scale)!r}")
+        raise UserError(f"{name} must be (min, max) with 0 < min <= max <= 1, got {tuple(scale)!r}")
     return float(scale[0]), float(scale[1])
 
 
 def _check_size(name: str, size: int) -> int:
     if int(size) != size or size < 1:
-        raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        raise UserError(f"{name} must be a positive integer, got {size!r}")
     return int(size)
 
 
@@ -71,7 +73,7 @@ class GaussianBlur(v2.Transform):
     def __init__(self, radius: Sequence[float] = (0.1, 2.0)) -> None:
         super().__init__()
         if len(radius) != 2 or not 0.0 < radius[0] <= radius[1]:
-            raise ValueError(f"blur radius must be (min, max) with 0 < min <= max, got {tuple(radius)!r}")
+            raise UserError(f"blur radius must be (min, max) with 0 < min <= max, got {tuple(radius)!r}")
         self.radius = (float(radius[0]), float(radius[1]))
 
     def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
@@ -153,18 +155,18 @@ class MultiCropTransform:
         std: tuple[float, float, float] = IMAGENET_STD,
     ) -> None:
         if local_crops_number < 0 or int(local_crops_number) != local_crops_number:
-            raise ValueError(f"local_crops_number must be an integer >= 0, got {local_crops_number!r}")
+            raise UserError(f"local_crops_number must be an integer >= 0, got {local_crops_number!r}")
         if len(global_blur_probs) != 2 or len(global_solarize_probs) != 2:
-            raise ValueError(
+            raise UserError(
                 "global_blur_probs and global_solarize_probs need one probability per global crop (2 values), "
                 f"got {tuple(global_blur_probs)!r} and {tuple(global_solarize_probs)!r}"
             )
         if len(color_jitter) != 4:
-            raise ValueError(
+            raise UserError(
                 f"color_jitter is (brightness, contrast, saturation, hue), got {tuple(color_jitter)!r}"
             )
         if not 0 <= solarize_threshold <= 255:
-            raise ValueError(f"solarize_threshold is on the uint8 scale 0..255, got {solarize_threshold!r}")
+            raise UserError(f"solarize_threshold is on the uint8 scale 0..255, got {solarize_threshold!r}")
         self.config: dict[str, Any] = {
             "global_crops_size": _check_size("global_crops_size", global_crops_size),
             "global_crops_scale": _check_scale("global_crops_scale", global_crops_scale),
@@ -246,9 +248,7 @@ def eval_transform(
     resize_size = _check_size("resize_size", resize if resize is not None else resize_size)
     crop_size = _check_size("crop_size", crop if crop is not None else crop_size)
     if crop_size > resize_size:
-        raise ValueError(
-            f"crop_size {crop_size} is larger than resize_size {resize_size}: the crop would pad"
-        )
+        raise UserError(f"crop_size {crop_size} is larger than resize_size {resize_size}: the crop would pad")
     return v2.Compose(
         [
             v2.Resize(resize_size, interpolation=_interpolation(interpolation), antialias=True),

@@ -16,6 +16,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import Dataset, Subset
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation.embed import embed_dataset
 from ssl_xcit.evaluation.knn import weighted_knn
 
@@ -41,7 +42,7 @@ def _gather_rows(
     sizes = strategy.all_gather(local).reshape(-1, 2).cpu()
     rows, dim = int(sizes[:, 0].max()), int(sizes[:, 1].max())
     if rows == 0:
-        raise ValueError("online k-NN: no readable image in the dataset on any rank")
+        raise UserError("online k-NN: no readable image in the dataset on any rank")
     padded = torch.zeros(rows, dim, dtype=torch.float32, device=device)
     padded_labels = torch.full((rows,), -1, dtype=torch.long, device=device)
     if features.shape[0]:
@@ -88,7 +89,7 @@ class OnlineKNN(Callback):
     ) -> None:
         super().__init__()
         if every_n_epochs < 1:
-            raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+            raise UserError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
         self.every_n_epochs = every_n_epochs
         self.k = k
         self.temperature = temperature

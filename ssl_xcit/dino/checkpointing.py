@@ -1,38 +1,70 @@
-"""Atomic, owner-only checkpoint writes and the checkpoint callbacks of the recipes.
+"""Atomic checkpoint writes that follow the umask, and the checkpoint callbacks of the recipes.
 
 Lightning's default ``TorchCheckpointIO`` (2.6, ``lightning.fabric.utilities.cloud_io._atomic_save``) is already
 atomic: it serialises the whole checkpoint into an in-memory buffer, then writes it in an fsspec transaction (a
-temporary file moved into place on a local disk). :class:`AtomicCheckpointIO` writes to a temporary file in the
-same folder and renames it over the target (``ssl_xcit.utils.io.atomic_torch_save``) without the in-memory copy
-of the checkpoint: a kill mid-write leaves the previous checkpoint intact either way. Checkpoints are written
-0600 (``private``). ``DINO.setup`` installs it when the Trainer uses the
-default checkpoint IO, so it is on for the CLI, the Python API and tests alike.
+temporary file moved into place on a local disk). :class:`AtomicCheckpointIO` writes a local checkpoint to a
+temporary file in the same folder and renames it over the target (``ssl_xcit.utils.io.atomic_torch_save``)
+without the in-memory copy: a kill mid-write leaves the previous checkpoint intact either way. Local files get
+0666 minus the umask, or 0600 with ``SSL_XCIT_PRIVATE=1`` (``ssl_xcit.utils.io.owner_only``).
+
+A remote ``default_root_dir`` (``s3://``, ``gs://``, any fsspec protocol but ``file``) goes through Lightning's
+own IO, which writes through fsspec; ``Trainer.save_checkpoint(..., storage_options=...)`` hands its options
+to that filesystem. ``DINO.setup`` installs the plugin when the Trainer uses the default checkpoint IO, so it
+is on for the CLI, the Python API and tests alike.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
+import os
 from typing import Any
 
+import torch
+from fsspec.core import url_to_fs
+from fsspec.utils import get_protocol
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from ssl_xcit.utils.io import atomic_torch_save
+from ssl_xcit.errors import UserError
+from ssl_xcit.utils.io import atomic_torch_save, owner_only
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose ``save_checkpoint`` is all-or-nothing."""
+    """``TorchCheckpointIO`` whose local ``save_checkpoint`` is all-or-nothing; remote paths use Lightning's."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
     ) -> None:
+        if get_protocol(str(path)) != "file":
+            if storage_options is None:
+                super().save_checkpoint(checkpoint, path)
+            else:
+                _save_remote(checkpoint, path, storage_options)
+            return
         if storage_options is not None:
-            raise TypeError(
-                f"AtomicCheckpointIO does not take storage_options, got {storage_options!r}; "
-                "use a custom CheckpointIO plugin for remote storage"
+            raise UserError(
+                f"storage_options are fsspec options for a remote checkpoint path (s3://, gs://, ...), but {path} "
+                f"is a local path; got {storage_options!r}"
             )
-        atomic_torch_save(checkpoint, Path(path), private=True)
+        _, local = url_to_fs(str(path))  # "file:///x/last.ckpt" -> "/x/last.ckpt"
+        atomic_torch_save(checkpoint, local, private=owner_only())
+
+
+def _save_remote(checkpoint: dict[str, Any], path: _PATH, storage_options: dict[str, Any]) -> None:
+    """Lightning's remote write (whole file in memory, one fsspec transaction) with ``storage_options`` given
+    to the filesystem, which Lightning's ``TorchCheckpointIO`` refuses."""
+    if not isinstance(storage_options, dict):
+        raise UserError(
+            f"storage_options must be a dict of fsspec filesystem options (e.g. {{'anon': False}}), "
+            f"got {type(storage_options).__name__}"
+        )
+    fs, target = url_to_fs(str(path), **storage_options)
+    fs.makedirs(os.path.dirname(target), exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    with fs.transaction, fs.open(target, "wb") as handle:
+        handle.write(buffer.getvalue())
 
 
 def dino_checkpoints(
@@ -46,7 +78,7 @@ def dino_checkpoints(
     is saved; with ``every_n_epochs=1`` one instance does both (two would share a callback state key).
     """
     if every_n_epochs < 1:
-        raise ValueError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+        raise UserError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
     common = dict(dirpath=dirpath, every_n_epochs=1, save_on_train_epoch_end=True)
     if every_n_epochs == 1:
         return [ModelCheckpoint(filename=filename, save_top_k=-1, save_last=True, **common)]

@@ -24,6 +24,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ssl_xcit.errors import UserError
+
 REMEDIES = {
     "uniform": (
         "a sharper teacher (lower warmup_teacher_temp/teacher_temp), centering: sinkhorn_knopp, fewer "
@@ -89,9 +91,9 @@ class CollapseGuard(Callback):
     ) -> None:
         super().__init__()
         if action not in ("warn", "stop", "off"):
-            raise ValueError(f"collapse guard action must be 'warn', 'stop' or 'off', got {action!r}")
+            raise UserError(f"collapse guard action must be 'warn', 'stop' or 'off', got {action!r}")
         if patience < 1:
-            raise ValueError(f"collapse guard patience must be >= 1, got {patience}")
+            raise UserError(f"collapse guard patience must be >= 1, got {patience}")
         self.action, self.patience, self.grace_steps = action, patience, grace_steps
         self.events: list[dict[str, Any]] = []
         self._run: dict[str, int] = {}

@@ -23,6 +23,7 @@ from torch import nn
 
 from ssl_xcit.dino.loss import DINOLossOutput, ema_center_, sinkhorn_knopp
 from ssl_xcit.dino.schedules import teacher_temperature
+from ssl_xcit.errors import UserError
 
 
 class iBOTPatchLoss(nn.Module):  # noqa: N801 (the method's name)
@@ -51,7 +52,7 @@ class iBOTPatchLoss(nn.Module):  # noqa: N801 (the method's name)
     ) -> None:
         super().__init__()
         if centering not in ("ema", "sinkhorn_knopp"):
-            raise ValueError(f"centering must be 'ema' or 'sinkhorn_knopp', got {centering!r}")
+            raise UserError(f"centering must be 'ema' or 'sinkhorn_knopp', got {centering!r}")
         self.out_dim = out_dim
         self.warmup_teacher_temp = warmup_teacher_temp
         self.teacher_temp = teacher_temp

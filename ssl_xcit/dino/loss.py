@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssl_xcit.dino.schedules import teacher_temperature
+from ssl_xcit.errors import UserError
 
 
 class DINOLossOutput(NamedTuple):
@@ -59,9 +60,9 @@ class DINOLoss(nn.Module):
     ) -> None:
         super().__init__()
         if centering not in ("ema", "sinkhorn_knopp"):
-            raise ValueError(f"centering must be 'ema' or 'sinkhorn_knopp', got {centering!r}")
+            raise UserError(f"centering must be 'ema' or 'sinkhorn_knopp', got {centering!r}")
         if sinkhorn_iterations < 1:
-            raise ValueError(f"sinkhorn_iterations must be >= 1, got {sinkhorn_iterations}")
+            raise UserError(f"sinkhorn_iterations must be >= 1, got {sinkhorn_iterations}")
         self.centering = centering
         self.sinkhorn_iterations = sinkhorn_iterations
         self.out_dim = out_dim

@@ -23,6 +23,8 @@ import math
 import numpy as np
 import torch
 
+from ssl_xcit.errors import UserError
+
 
 class BlockMaskGenerator:
     """Masks of exactly ``n`` patches on an ``(h, w)`` grid, built from rectangular blocks.
@@ -103,9 +105,9 @@ def sample_masks(
     """
     low, high = ratio_range
     if not 0 <= low <= high <= 1:
-        raise ValueError(f"mask ratio range must satisfy 0 <= low <= high <= 1, got {ratio_range}")
+        raise UserError(f"mask ratio range must satisfy 0 <= low <= high <= 1, got {ratio_range}")
     if not 0 <= mask_probability <= 1:
-        raise ValueError(f"mask_probability must be in [0, 1], got {mask_probability}")
+        raise UserError(f"mask_probability must be in [0, 1], got {mask_probability}")
     generator = generator or BlockMaskGenerator(grid)
     n_patches = generator.num_patches
     n_masked_images = int(n_images * mask_probability)

@@ -46,6 +46,7 @@ from ssl_xcit.dino.optim import (
 )
 from ssl_xcit.dino.schedules import cosine_schedule, scaled_lr
 from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
+from ssl_xcit.errors import TrainingDiverged, UserError
 from ssl_xcit.models import create_model
 from ssl_xcit.utils.rng import capture_rng_states, restore_rng_states
 
@@ -153,16 +154,16 @@ class DINO(LightningModule):
         self.save_hyperparameters()
         self.automatic_optimization = False
         if accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+            raise UserError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         if teacher_temp <= 0 or warmup_teacher_temp <= 0 or student_temp <= 0:
-            raise ValueError("temperatures must be > 0")
+            raise UserError("temperatures must be > 0")
         if not koleo_weight >= 0:
-            raise ValueError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {koleo_weight!r}")
+            raise UserError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {koleo_weight!r}")
         if not ibot_loss_weight >= 0:
-            raise ValueError(f"ibot_loss_weight must be >= 0 (0 disables iBOT), got {ibot_loss_weight!r}")
+            raise UserError(f"ibot_loss_weight must be >= 0 (0 disables iBOT), got {ibot_loss_weight!r}")
         ibot_out_dim = out_dim if ibot_out_dim is None else ibot_out_dim
         if ibot_loss_weight > 0 and not ibot_separate_head and ibot_out_dim != out_dim:
-            raise ValueError(
+            raise UserError(
                 f"a shared head has out_dim={out_dim} prototypes, got ibot_out_dim={ibot_out_dim}; "
                 "drop ibot_out_dim or set ibot_separate_head: true"
             )
@@ -312,7 +313,7 @@ class DINO(LightningModule):
         if size is None:
             size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
         if not size:
-            raise ValueError(
+            raise UserError(
                 f"DINO sizes its lr schedule from the loader's batch_size, but {type(loader).__name__} has none; "
                 "use a DataLoader with batch_size set"
             )
@@ -322,14 +323,14 @@ class DINO(LightningModule):
         hp, trainer = self.hparams, self.trainer
         epochs = trainer.max_epochs
         if epochs is None or epochs < 1:
-            raise ValueError(
+            raise UserError(
                 f"DINO's cosine schedules need a finite trainer.max_epochs, got {epochs}; set --trainer.max_epochs"
             )
         batches = trainer.num_training_batches
         if not math.isfinite(batches) or batches < 1:
-            raise ValueError(f"DINO needs a sized training dataloader, got {batches} batches per epoch")
+            raise UserError(f"DINO needs a sized training dataloader, got {batches} batches per epoch")
         if batches < hp.accumulate_grad_batches:
-            raise ValueError(
+            raise UserError(
                 f"accumulate_grad_batches={hp.accumulate_grad_batches} is more than the {int(batches)} training "
                 f"batches per epoch, so no optimiser step would ever run; use accumulate_grad_batches <= "
                 f"{int(batches)}, or a smaller batch_size"
@@ -337,7 +338,7 @@ class DINO(LightningModule):
         iters = int(batches) // hp.accumulate_grad_batches
         self._iters_per_epoch = iters
         if hp.warmup_epochs > epochs:
-            raise ValueError(f"warmup_epochs={hp.warmup_epochs} is longer than trainer.max_epochs={epochs}")
+            raise UserError(f"warmup_epochs={hp.warmup_epochs} is longer than trainer.max_epochs={epochs}")
         total_batch = per_device_batch * trainer.world_size * hp.accumulate_grad_batches
         peak_lr = scaled_lr(hp.lr, total_batch) if hp.scale_lr_with_batch else hp.lr
         self.lr_schedule = cosine_schedule(peak_lr, hp.min_lr, epochs, iters, warmup_epochs=hp.warmup_epochs)
@@ -386,7 +387,7 @@ class DINO(LightningModule):
             return None
         crops = crops_from_batch(batch)
         if len(crops) < NUM_GLOBAL_CROPS:
-            raise ValueError(
+            raise UserError(
                 f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
             )
         for i, group in enumerate(opt.param_groups):
@@ -496,7 +497,7 @@ class DINO(LightningModule):
         finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
         if finite:
             return
-        raise FloatingPointError(
+        raise TrainingDiverged(
             f"DINO loss is {loss.item()} at global step {self.global_step} (epoch {self.current_epoch}); "
             f"training stopped. Last good checkpoint: {self._last_checkpoint() or 'none saved yet'}. "
             "Resume from it with --ckpt_path after lowering lr, using --trainer.precision 32 (fp16 is "

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ssl_xcit.errors import UserError
+
 OPTIMIZERS = ("adamw", "sgd", "lars")
 
 
@@ -78,7 +80,7 @@ def build_optimizer(name: str, params_groups: list[dict]) -> torch.optim.Optimiz
         return torch.optim.SGD(params_groups, lr=0.0, momentum=0.9)
     if name == "lars":
         return LARS(params_groups)
-    raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+    raise UserError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
 
 
 @torch.no_grad()

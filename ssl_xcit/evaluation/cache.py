@@ -1,11 +1,14 @@
 """On-disk cache of extracted features, keyed on everything that determines them.
 
 A cache entry is one file ``<cache_dir>/<name>-<sha256(meta)[:16]>.pt`` holding ``{"meta": meta, "tensors": ...}``.
-``meta`` is a JSON-able description of the inputs (checkpoint sha256, model name, transform, dataset file list
-fingerprint, feature type, numeric precision, and :func:`code_fingerprint`: the source of the model code and the
-torch/timm versions). Because the file name hashes ``meta`` AND the stored ``meta`` is compared in full on
-load, a change in any input looks up a different file: a stale entry can never be served. Entries are written
-atomically (temporary file + rename), so a killed run leaves no half-written cache.
+``meta`` is a JSON-able description of the inputs: the weights (a checkpoint's sha256, or
+:func:`module_fingerprint` of a module passed in: its class, structure and every tensor), model name,
+transform, dataset file list fingerprint, feature type, numeric precision, :func:`library_versions` (torch,
+torchvision, Pillow, timm: decoding, resizing and the kernels), :func:`source_fingerprint` of our own code on
+the path from file to tensor (decoding, resizing), and :func:`code_fingerprint` (the model code). Because the
+file name hashes ``meta`` AND the stored ``meta`` is compared in full on load, a change in any input looks up a
+different file: a stale entry can never be served. Entries are written atomically (temporary file + rename),
+so a killed run leaves no half-written cache.
 
 Old entries for the same ``name`` are kept (switching back to a previous checkpoint is then instant again);
 delete the folder to reclaim space.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -23,10 +27,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import PIL
 import timm
 import torch
+import torchvision
+from torch import nn
 
-from ssl_xcit.utils.io import atomic_torch_save, sha256_file, sha256_json
+from ssl_xcit.utils.io import atomic_torch_save, owner_only, sha256_file, sha256_json
 
 __all__ = [
     "CACHE_FORMAT",
@@ -36,7 +43,10 @@ __all__ = [
     "save_cached",
     "files_fingerprint",
     "checkpoint_fingerprint",
+    "module_fingerprint",
     "code_fingerprint",
+    "library_versions",
+    "source_fingerprint",
     "precision_key",
 ]
 
@@ -91,7 +101,7 @@ def save_cached(
         "meta": _normalise_meta(meta),
         "tensors": {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
     }
-    return atomic_torch_save(entry, path, private=True)
+    return atomic_torch_save(entry, path, private=owner_only())
 
 
 def files_fingerprint(paths: Iterable[str | os.PathLike], labels: Iterable[int] | None = None) -> str:
@@ -131,16 +141,61 @@ def checkpoint_fingerprint(weights: str | os.PathLike | None) -> str | None:
     return _CKPT_HASHES[key]
 
 
+def module_fingerprint(module: nn.Module) -> str:
+    """sha256 of what a module computes: its class, its structure (``repr``: layer sizes, options) and the name,
+    dtype, shape and bytes of every state-dict tensor. Hashing a ViT-B's 86 M parameters takes about a second."""
+    digest = hashlib.sha256()
+    cls = type(module)
+    digest.update(f"{cls.__module__}.{cls.__qualname__}\n{module!r}".encode())
+    for key, value in module.state_dict().items():
+        if not isinstance(value, torch.Tensor):  # a module's extra state
+            digest.update(f"{key} {value!r}".encode())
+            continue
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{key} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        # the raw bytes, viewed as uint8 because numpy has no bfloat16
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that turn a file into features: Pillow (decoding, PIL resampling),
+    torchvision (resize, crop, normalise), torch (every kernel) and timm (layers)."""
+    return {
+        "Pillow": PIL.__version__,
+        "timm": timm.__version__,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+    }
+
+
+def source_fingerprint(*objects: Any) -> str:
+    """sha256 of the source code of ``objects`` (functions, methods, classes or modules), each under its
+    qualified name. An object without readable source (built-in, C extension) counts by its name only."""
+    digest = hashlib.sha256()
+    for obj in objects:
+        target = getattr(obj, "__func__", obj)  # a bound method: its function
+        qualname = getattr(target, "__qualname__", getattr(target, "__name__", ""))
+        name = f"{getattr(target, '__module__', '')}.{qualname}"
+        try:
+            source = inspect.getsource(target)
+        except (OSError, TypeError):
+            source = ""
+        digest.update(f"{name}\n{source}\n".encode())
+    return digest.hexdigest()
+
+
 # Modules whose code determines a backbone's forward pass; any edit to them invalidates cached features.
 _MODEL_CODE_PACKAGES = ("ssl_xcit.models",)
 
 
 @functools.cache
 def code_fingerprint() -> str:
-    """sha256 of the model code (every ``ssl_xcit.models`` source file) plus the torch and timm versions.
+    """sha256 of the model code: every ``ssl_xcit.models`` source file.
 
     Computed from the files, not from a hand-bumped number, so an upgrade that changes the forward pass can
-    never be served features from the old one (a few small files: microseconds, once per process).
+    never be served features from the old one (a few small files: microseconds, once per process). The
+    library versions are a key field of their own (:func:`library_versions`).
     """
     import importlib
 
@@ -150,7 +205,6 @@ def code_fingerprint() -> str:
         for path in sorted(Path(next(iter(package.__path__))).rglob("*.py")):
             digest.update(path.relative_to(Path(package.__file__).parent).as_posix().encode())
             digest.update(path.read_bytes())
-    digest.update(f"torch={torch.__version__} timm={timm.__version__}".encode())
     return digest.hexdigest()
 
 

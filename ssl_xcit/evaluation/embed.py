@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ssl_xcit.data.datasets import collate_skip_none
+from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation.features import FeatureConfig, compute_features
 
 __all__ = ["embed_dataset"]
@@ -42,7 +43,7 @@ def embed_dataset(
     if allow_empty and len(dataset) == 0:  # type: ignore[arg-type]
         return {"features": torch.empty(0, 0), "labels": torch.empty(0, dtype=torch.long)}
     if len(dataset) == 0:  # type: ignore[arg-type]
-        raise ValueError("embed_dataset needs a dataset with at least one image")
+        raise UserError("embed_dataset needs a dataset with at least one image")
     loader = DataLoader(
         dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate_skip_none
     )
@@ -64,5 +65,5 @@ def embed_dataset(
     if not feats and allow_empty:
         return {"features": torch.empty(0, 0), "labels": torch.empty(0, dtype=torch.long)}
     if not feats:
-        raise ValueError(f"no readable image among the {len(dataset)} of the dataset")  # type: ignore[arg-type]
+        raise UserError(f"no readable image among the {len(dataset)} of the dataset")  # type: ignore[arg-type]
     return {"features": torch.cat(feats), "labels": torch.cat(labels)}

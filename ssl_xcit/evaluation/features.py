@@ -6,10 +6,12 @@ dataset over the GPUs (an unrepeated distributed sampler, so no image is counted
 index. Corrupt images come back as ``None`` from the dataset and are dropped by the collate function, so they
 are simply absent from ``indices``: features and labels stay aligned. On CPU it is one process.
 
-``dataset_features(...)`` adds the cache: the key is the checkpoint's sha256, the model name, the transform's
-full ``repr``, the feature type, a fingerprint of the file list (paths, sizes, mtimes, labels), the precision,
-the extraction version and a fingerprint of the model code. The backbone
-is built only on a cache miss, so a re-run with the same inputs does not touch the model or the images.
+``dataset_features(...)`` adds the cache: the key is the weights (the checkpoint's sha256 and the model name, or
+the class, structure and tensors of a module passed in), the transform's full ``repr``, the feature type, a
+fingerprint of the file list (paths, sizes, mtimes, labels), the precision, the extraction version, the versions
+of torch, torchvision, Pillow and timm, the source of our decoding and resizing code and a fingerprint of the
+model code. The backbone is built only on a cache miss, so a re-run with the same inputs does not touch the
+model or the images.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
 from ssl_xcit.data.transforms import describe_transform
+from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation import cache as feature_cache
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,7 @@ class FeatureConfig:
 
     def __post_init__(self) -> None:
         if self.n_last_blocks < 1:
-            raise ValueError(f"n_last_blocks must be >= 1, got {self.n_last_blocks}")
+            raise UserError(f"n_last_blocks must be >= 1, got {self.n_last_blocks}")
 
     @property
     def name(self) -> str:
@@ -239,14 +242,14 @@ def check_not_empty(dataset: Dataset, name: str, root: str | os.PathLike | None 
     """Raise a clear error for a split without images."""
     if len(dataset) == 0:  # type: ignore[arg-type]
         where = f" ({root})" if root is not None else ""
-        raise ValueError(f"the {name} split{where} has no images; it needs at least one readable image")
+        raise UserError(f"the {name} split{where} has no images; it needs at least one readable image")
 
 
 def check_same_classes(train_classes: list[str] | None, val_classes: list[str] | None) -> None:
     """Train and val must have the same class folders, else label i would mean different classes in each."""
     if train_classes is None or val_classes is None:
         missing = "train" if train_classes is None else "val"
-        raise ValueError(
+        raise UserError(
             f"the {missing} split has no class labels; k-NN and linear evaluation need ImageFolder trees "
             "(one subfolder per class) for both train and val"
         )
@@ -254,7 +257,7 @@ def check_same_classes(train_classes: list[str] | None, val_classes: list[str] |
         return
     only_train = sorted(set(train_classes) - set(val_classes))
     only_val = sorted(set(val_classes) - set(train_classes))
-    raise ValueError(
+    raise UserError(
         "train and val class sets differ: "
         f"only in train: {only_train or 'none'}; only in val: {only_val or 'none'} "
         f"({len(train_classes)} train vs {len(val_classes)} val classes). Both splits need the same class "
@@ -272,13 +275,48 @@ def build_eval_backbone(weights: str | os.PathLike | None, arch: str | None, see
 
     if weights is None:
         if arch is None:
-            raise ValueError("give --weights, or --arch NAME to evaluate a randomly initialised backbone")
+            raise UserError("give --weights, or --arch NAME to evaluate a randomly initialised backbone")
         torch.manual_seed(seed)
     elif not Path(weights).is_file():
         raise FileNotFoundError(f"weights file not found: {weights}")
     model = build_backbone(None if weights is None else str(weights), arch)
     model.requires_grad_(False)
     return model.eval()
+
+
+# Packages whose code is keyed by version (feature_cache.library_versions), not by source.
+_LIBRARIES = ("PIL", "timm", "torch", "torchvision")
+
+
+def _transform_parts(transform: Any) -> list[Any]:
+    """``transform`` and, recursively, the transforms it chains (``Compose.transforms`` and the like)."""
+    parts, todo = [], [transform]
+    while todo:
+        part = todo.pop(0)
+        if part is None:
+            continue
+        parts.append(part)
+        inner = getattr(part, "transforms", None)
+        if isinstance(inner, (list, tuple)):
+            todo.extend(inner)
+    return parts
+
+
+def input_code_fingerprint(dataset: Any) -> str:
+    """Source fingerprint of our code between an image file and the model input: the dataset class (its
+    ``__getitem__`` picks the reader), the reader it calls (the transform's own ``read``, else
+    ``ssl_xcit.data.datasets.load_image``) and every transform class outside the libraries (whose code is
+    keyed by their versions)."""
+    from ssl_xcit.data import datasets
+
+    transform = getattr(dataset, "transform", None)
+    reader = getattr(transform, "read", None) or datasets.load_image
+    ours = [
+        type(part)
+        for part in _transform_parts(transform)
+        if type(part).__module__.split(".")[0] not in _LIBRARIES
+    ]
+    return feature_cache.source_fingerprint(type(dataset), reader, *ours)
 
 
 def feature_meta(
@@ -290,15 +328,24 @@ def feature_meta(
     seed: int = 0,
     precision: str | int | None = None,
     extra: Mapping[str, Any] | None = None,
+    model: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """The cache key: everything the features depend on."""
+    """The cache key: everything the features depend on.
+
+    With a ``model`` the key holds its :func:`~ssl_xcit.evaluation.cache.module_fingerprint` and ignores
+    ``weights``, ``arch`` and ``seed``: the module given is what computes the features.
+    """
     samples = getattr(dataset, "samples", None)
     if samples is None:
         raise TypeError("dataset_features needs a dataset with a .samples list of (path, label)")
+    from_file = model is None
     meta = {
-        "checkpoint_sha256": feature_cache.checkpoint_fingerprint(weights),
-        "arch": arch or "inferred-from-checkpoint",
-        "init_seed": seed if weights is None else None,
+        "checkpoint_sha256": feature_cache.checkpoint_fingerprint(weights) if from_file else None,
+        "arch": (arch or "inferred-from-checkpoint") if from_file else None,
+        "init_seed": seed if from_file and weights is None else None,
+        "module": None if from_file else feature_cache.module_fingerprint(model),
+        "libraries": feature_cache.library_versions(),
+        "input_code": input_code_fingerprint(dataset),
         "transform": describe_transform(getattr(dataset, "transform", None)),
         "classes": list(getattr(dataset, "classes", None) or []),
         "files": feature_cache.files_fingerprint([p for p, _ in samples], [int(y) for _, y in samples]),
@@ -333,11 +380,17 @@ def dataset_features(
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """Features of ``dataset`` (cached per split): returns ``(tensors, cache_hit)``.
 
-    ``model`` (a module, or a zero-argument factory called only on a cache miss) skips building the backbone
-    here, so callers evaluating train and val share one. A missing weights file raises ``FileNotFoundError`` naming it before anything else runs.
+    ``model`` skips building the backbone here, so callers evaluating train and val share one. A module is
+    keyed on its own class, structure and tensors (``weights``, ``arch`` and ``seed`` then play no part); a
+    zero-argument factory is called only on a cache miss, so the key is ``weights``, ``arch`` and ``seed``,
+    which it must build. A missing weights file raises ``FileNotFoundError`` naming it before anything else
+    runs.
     """
     check_not_empty(dataset, split, getattr(dataset, "root", None))
-    meta = feature_meta(dataset, weights=weights, arch=arch, config=config, seed=seed, precision=precision)
+    module = model if isinstance(model, nn.Module) else None
+    meta = feature_meta(
+        dataset, weights=weights, arch=arch, config=config, seed=seed, precision=precision, model=module
+    )
     cache_dir = Path(cache_dir) if cache_dir is not None else feature_cache.default_cache_dir()
     if use_cache:
         cached = feature_cache.load_cached(cache_dir, split, meta)
@@ -361,7 +414,7 @@ def dataset_features(
         extractor_hook=extractor_hook,
     )
     if result["features"].shape[0] == 0:
-        raise ValueError(f"the {split} split has no readable images: all {len(dataset)} files failed to load")
+        raise UserError(f"the {split} split has no readable images: all {len(dataset)} files failed to load")
     if use_cache and is_zero:
         feature_cache.save_cached(cache_dir, split, meta, result)
     return result, False

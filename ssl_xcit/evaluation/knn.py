@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ssl_xcit.errors import UserError
+
 __all__ = [
     "DEFAULT_KS",
     "DEFAULT_TEMPERATURE",
@@ -60,7 +62,7 @@ def _check_features(name: str, features: torch.Tensor) -> None:
         shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
         raise ValueError(f"{name} must be a 2-D (N, dim) tensor, got {shape}")
     if features.shape[0] == 0:
-        raise ValueError(f"{name} is empty (0 rows): the split has no images with features")
+        raise UserError(f"{name} is empty (0 rows): the split has no images with features")
 
 
 def infer_num_classes(*labels: torch.Tensor) -> int:
@@ -72,11 +74,11 @@ def infer_num_classes(*labels: torch.Tensor) -> int:
 def _effective_ks(ks: Sequence[int], bank_size: int) -> dict[int, int]:
     """Requested k -> k actually used (clamped to the bank size, with a warning)."""
     if len(ks) == 0:
-        raise ValueError("ks is empty: give at least one k, e.g. (10, 20, 100, 200)")
+        raise UserError("ks is empty: give at least one k, e.g. (10, 20, 100, 200)")
     out = {}
     for k in ks:
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
+            raise UserError(f"k must be a positive integer, got {k!r}")
         k = int(k)
         if k > bank_size:
             warnings.warn(
@@ -91,7 +93,7 @@ def _effective_ks(ks: Sequence[int], bank_size: int) -> dict[int, int]:
 def _auto_chunk(bank_size: int, chunk_size: int | None) -> int:
     if chunk_size is not None:
         if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+            raise UserError(f"chunk_size must be >= 1, got {chunk_size}")
         return int(chunk_size)
     return max(1, min(4096, _SIM_BUDGET_BYTES // (4 * max(1, bank_size))))
 
@@ -166,7 +168,7 @@ def knn_search(
             f"{query_features.shape[1]} (were they extracted with the same backbone?)"
         )
     if backend not in BACKENDS:
-        raise ValueError(f"unknown k-NN backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+        raise UserError(f"unknown k-NN backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     k = min(int(k), train_features.shape[0])
     bank = train_features.float()  # no copy when already float32
     queries = query_features.float().to(bank.device)
@@ -215,11 +217,11 @@ def _validate_common(
     if train_labels.shape[0] != train_features.shape[0]:
         raise ValueError(f"{train_features.shape[0]} train features but {train_labels.shape[0]} train labels")
     if backend not in BACKENDS:
-        raise ValueError(f"unknown k-NN backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+        raise UserError(f"unknown k-NN backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a positive number, got {temperature!r} (DINO uses 0.07)")
+        raise UserError(f"temperature must be a positive number, got {temperature!r} (DINO uses 0.07)")
     if train_labels.numel() and int(train_labels.min()) < 0:
-        raise ValueError(
+        raise UserError(
             "train labels contain negative values (unlabelled images); k-NN needs a labelled train split "
             "(an ImageFolder tree with one subfolder per class)"
         )
@@ -294,7 +296,7 @@ def knn_accuracy(
     if query_labels.shape[0] != query_features.shape[0]:
         raise ValueError(f"{query_features.shape[0]} query features but {query_labels.shape[0]} query labels")
     if query_labels.numel() and int(query_labels.min()) < 0:
-        raise ValueError("query labels contain negative values (unlabelled images); accuracy needs labels")
+        raise UserError("query labels contain negative values (unlabelled images); accuracy needs labels")
     num_classes = num_classes or infer_num_classes(train_labels, query_labels)
     effective = _effective_ks(ks, train_features.shape[0])
     top1 = dict.fromkeys(effective, 0)

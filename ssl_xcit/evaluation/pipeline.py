@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation import features as features_module
 from ssl_xcit.evaluation.cache import checkpoint_fingerprint
 from ssl_xcit.evaluation.features import (
@@ -74,11 +75,11 @@ def evaluate_knn(
     from ssl_xcit.data.transforms import eval_transform
 
     if backend not in BACKENDS:
-        raise ValueError(f"unknown k-NN backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+        raise UserError(f"unknown k-NN backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
     if weights is not None and not Path(weights).is_file():
         raise FileNotFoundError(f"weights file not found: {weights}")
     if weights is None and arch is None:
-        raise ValueError("give --weights, or --arch NAME to evaluate a randomly initialised backbone")
+        raise UserError("give --weights, or --arch NAME to evaluate a randomly initialised backbone")
     if isinstance(train, (str, os.PathLike)) or isinstance(val, (str, os.PathLike)):
         train_ds, val_ds = load_split_datasets(train, val, eval_transform(resize=resize_size, crop=crop_size))
     else:

@@ -11,7 +11,7 @@ computes them:
 ``get_intermediate_cls``    global embeddings computed from chosen blocks (ViT-style linear probes)
 ``get_attention_maps(x)``   per block, the attention of the global query over the patch grid (B, heads, h*w),
                             and the grid; raises :class:`AttentionNotSupported` where there is no such query
-``check_input(x)``          ``ValueError`` naming the size and the constraint when the input cannot be taken
+``check_input(x)``          ``UserError`` naming the size and the constraint when the input cannot be taken
 ``forward_cls_patches``     ``(x, mask=None)``: the final-norm global embedding and patch tokens of one pass;
                             with a mask (B, h*w), masked patches are replaced by a learnt mask token (iBOT)
 ``token_grid(h, w)``        the patch grid (h', w') of an input size
@@ -33,6 +33,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from ssl_xcit.errors import UserError
+
 
 class AttentionNotSupported(NotImplementedError):
     """The backbone has no attention of a global query over the patch grid (e.g. a pooled CNN-like model)."""
@@ -41,7 +43,7 @@ class AttentionNotSupported(NotImplementedError):
 MASKING_FAMILIES = ("xcit", "vit", "cait")
 
 
-class MaskingNotSupported(ValueError):
+class MaskingNotSupported(UserError):
     """The family has no per-patch token to replace with a mask token (iBOT's masked patch term)."""
 
 
@@ -66,7 +68,7 @@ class Backbone(nn.Module):
         if height % m or width % m or height == 0 or width == 0:
             hint = f"{max(m, round(height / m) * m)}x{max(m, round(width / m) * m)}"
             reason = f"; {self.size_reason}" if self.size_reason else ""
-            raise ValueError(
+            raise UserError(
                 f"input size {height}x{width} does not fit {self.name}: both sides must be positive "
                 f"multiples of {m} (e.g. {hint}){reason}"
             )
@@ -77,7 +79,7 @@ class Backbone(nn.Module):
         indices = list(range(total - n, total)) if isinstance(n, int) else [int(i) for i in n]
         bad = [i for i in indices if not -total <= i < total]
         if bad or not indices:
-            raise ValueError(
+            raise UserError(
                 f"block indices {bad or indices} are out of range for {self.name} with {total} blocks{detail}"
             )
         return sorted(i % total for i in indices)

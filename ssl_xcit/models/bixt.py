@@ -24,6 +24,7 @@ import torch
 from timm.layers import lecun_normal_, trunc_normal_
 from torch import Tensor, nn
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.bixt_layers import BiXTBlock, Norm, PatchEmbed
 from ssl_xcit.models.layers import PositionalEncodingFourier
@@ -93,7 +94,7 @@ class BiXT(Backbone):
     ) -> None:
         super().__init__()
         if depth < 2:
-            raise ValueError(
+            raise UserError(
                 f"BiXT needs depth >= 2 (bi-directional layers + the one-sided last), got {depth}"
             )
         if drop_path_rate is not None:
@@ -230,5 +231,5 @@ def convert_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def create(name: str, **overrides) -> BiXT:
     """Build a named variant; ``overrides`` replace constructor arguments (e.g. ``sa_drop_path_rate``)."""
     if name not in VARIANTS:
-        raise ValueError(f"unknown BiXT variant {name!r}; known: {', '.join(VARIANTS)}")
+        raise UserError(f"unknown BiXT variant {name!r}; known: {', '.join(VARIANTS)}")
     return BiXT(**{**VARIANTS[name], **overrides, "name": name})

@@ -21,6 +21,7 @@ from timm.models.cait import Cait
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import Backbone
 
 # name -> (embed_dim, depth, heads, LayerScale init, paper Table 3 drop path). Head dim is 48 throughout.
@@ -171,7 +172,7 @@ def supervised_drop_path(name: str) -> float:
     """Stochastic-depth rate d_r of paper Table 3."""
     rate = _SHAPES[name][4]
     if rate is None:
-        raise ValueError(f"the CaiT paper gives no drop-path rate for {name}")
+        raise UserError(f"the CaiT paper gives no drop-path rate for {name}")
     return rate
 
 

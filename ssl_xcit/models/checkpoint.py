@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.models import registry
 from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.registry import create_model, family_module, list_families, resolve
@@ -82,7 +83,7 @@ def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, A
             any code. The command line's ``--trust-checkpoint`` sets it for every checkpoint a command reads.
 
     Returns:
-        The loaded object. Raises ``FileNotFoundError`` for a missing file and a one-line ``ValueError`` naming
+        The loaded object. Raises ``FileNotFoundError`` for a missing file and a one-line ``UserError`` naming
         the file, the refused content and ``--trust-checkpoint`` when the safe load refuses it.
     """
     path = Path(path)
@@ -96,15 +97,15 @@ def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, A
         found = re.search(r"GLOBAL (\S+)", text)
         opcode = re.search(r"Unsupported operand (\d+)", text)
         if found is None and opcode is None:  # a truncated or non-pickle file: trust cannot mend it
-            raise ValueError(f"cannot read checkpoint {path}: {safe_error}") from safe_error
+            raise UserError(f"cannot read checkpoint {path}: {safe_error}") from safe_error
         if not (trust or TRUST_FROM_CLI):
             if found is None:  # a pickle instruction the safe loader refuses, or simply a corrupt file
-                raise ValueError(
+                raise UserError(
                     f"cannot read checkpoint {path}: the weights-only loader refuses its pickle instruction "
                     f"{opcode.group(1)} (a corrupt file, or a pickle that could run code); if you trust the file, "
                     "pass --trust-checkpoint (trust=True in Python)"
                 ) from safe_error
-            raise ValueError(
+            raise UserError(
                 f"refusing to unpickle checkpoint {path}: it holds {found.group(1)}, outside the weights-only "
                 "allow-list, and loading it could run code. If you trust the file, pass --trust-checkpoint "
                 "(trust=True in Python)"
@@ -116,7 +117,7 @@ def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, A
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
-        raise ValueError(f"cannot read checkpoint {path}: {error}") from error
+        raise UserError(f"cannot read checkpoint {path}: {error}") from error
 
 
 def _is_tensor_dict(obj: Any) -> bool:
@@ -139,7 +140,7 @@ def extract_state_dict(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Tensor]
         state = state[key]
     if not _is_tensor_dict(state):
         keys = list(checkpoint)[:10] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
-        raise ValueError(
+        raise UserError(
             f"no state dict found in checkpoint (top-level keys: {keys}); expected a tensor dict or one under "
             f"{', '.join(repr(c) for c in _CONTAINERS)}"
         )
@@ -190,8 +191,8 @@ def load_pretrained(
 ) -> LoadReport:
     """Load weights from a path or a checkpoint dict into ``model``.
 
-    Raises ``FileNotFoundError`` for a missing path, ``ValueError`` naming keys and both shapes on any shape
-    mismatch, and (with ``strict``) ``ValueError`` naming the missing and unexpected keys.
+    Raises ``FileNotFoundError`` for a missing path, ``UserError`` naming keys and both shapes on any shape
+    mismatch, and (with ``strict``) ``UserError`` naming the missing and unexpected keys.
     """
     label = str(source) if isinstance(source, (str, os.PathLike)) else "state dict"
     checkpoint = read_checkpoint(source, trust) if isinstance(source, (str, os.PathLike)) else source
@@ -199,7 +200,7 @@ def load_pretrained(
     state, dropped = convert_state_dict(raw, model)
     family = infer_family(state)
     if family is not None and family != model.family:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {label} holds a {family} backbone, but the model {model.name} is a {model.family} "
             f"backbone; build a {family} model (e.g. build_backbone(weights) infers it)"
         )
@@ -210,7 +211,7 @@ def load_pretrained(
         if k in own and v.shape != own[k].shape
     ]
     if mismatched:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {label} does not fit {model.name}: {len(mismatched)} tensors have the wrong shape:\n  "
             + "\n  ".join(mismatched[:20])
             + ("\n  ..." if len(mismatched) > 20 else "")
@@ -220,7 +221,7 @@ def load_pretrained(
     unexpected = sorted(set(state) - set(own))
     report = LoadReport(missing=missing, unexpected=unexpected, dropped_head=dropped, source=label)
     if strict and (missing or unexpected):
-        raise ValueError(
+        raise UserError(
             f"checkpoint {label} does not match {model.name}: missing keys {missing[:20]}"
             f"{' ...' if len(missing) > 20 else ''}; unexpected keys {unexpected[:20]}"
             f"{' ...' if len(unexpected) > 20 else ''}"
@@ -296,12 +297,12 @@ def build_backbone(
 
     The architecture is ``name`` if given, else the one recorded in the checkpoint (``backbone`` and
     ``backbone_kwargs`` hyper-parameters of a Lightning checkpoint or an ``ssl-xcit export`` file), else the one
-    inferred from tensor shapes. A checkpoint of another architecture than ``name`` raises a ValueError naming
+    inferred from tensor shapes. A checkpoint of another architecture than ``name`` raises a UserError naming
     both (and both families when they differ). With ``weights=None`` a randomly initialised ``name`` is returned.
     """
     if weights is None:
         if name is None:
-            raise ValueError("build_backbone needs a model name when no weights are given")
+            raise UserError("build_backbone needs a model name when no weights are given")
         return create_model(name, **overrides)
     checkpoint = read_checkpoint(weights, trust)
     state, hinted = extract_state_dict(checkpoint)
@@ -313,17 +314,17 @@ def build_backbone(
         if found is not None and (found[0], {k: v for k, v in found[1].items() if k == "depth"}) != wanted:
             have, want = resolve(found[0]).family, resolve(name).family
             families = f" (a {have} checkpoint, not {want})" if have != want else ""
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {weights} holds a {_describe(*found)} backbone, but {_describe(*wanted)} was "
                 f"requested{families}"
             )
         if found is None and (family := infer_family(state)) is not None and family != resolve(name).family:
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {weights} holds a {family} backbone, but {name} is a {resolve(name).family} model"
             )
         arch_kwargs = dict(found[1]) if found is not None else {}
     elif found is None:
-        raise ValueError(
+        raise UserError(
             f"cannot tell the architecture of {weights} (no registered family matches its keys): pass the model "
             f"name explicitly (e.g. --arch xcit_small_12_p16); families: {', '.join(list_families())}"
         )

@@ -23,6 +23,7 @@ import torch
 from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.crossformerpp_layers import PatchEmbed, Stage
 
@@ -226,5 +227,5 @@ def convert_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def create(name: str, **overrides) -> CrossFormerPP:
     """Build a named variant; ``overrides`` replace constructor arguments (e.g. ``drop_path_rate``)."""
     if name not in VARIANTS:
-        raise ValueError(f"unknown CrossFormer++ variant {name!r}; known: {', '.join(VARIANTS)}")
+        raise UserError(f"unknown CrossFormer++ variant {name!r}; known: {', '.join(VARIANTS)}")
     return CrossFormerPP(**{**VARIANTS[name], **overrides, "name": name})

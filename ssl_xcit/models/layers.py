@@ -30,6 +30,8 @@ from timm.layers import DropPath, Mlp
 from timm.models.xcit import ConvPatchEmbed as TimmConvPatchEmbed
 from torch import Tensor, nn
 
+from ssl_xcit.errors import UserError
+
 
 class PositionalEncodingFourier(nn.Module):
     """2-D sinusoidal encoding: 16 frequencies x (sin, cos) per axis -> 64 dims, projected to ``dim``.
@@ -80,7 +82,7 @@ def conv_patch_embed(patch_size: int = 16, in_chans: int = 3, embed_dim: int = 7
     other sizes.
     """
     if patch_size not in (8, 16):
-        raise ValueError(
+        raise UserError(
             f"XCiT's convolutional patch embedding supports patch sizes 8 and 16, got {patch_size}"
         )
     return TimmConvPatchEmbed(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
@@ -122,7 +124,7 @@ class XCA(nn.Module):
     ) -> None:
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"embed dim {dim} is not divisible by num_heads {num_heads}")
+            raise UserError(f"embed dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.temperature = nn.Parameter(torch.ones(num_heads, 1, 1))
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)

@@ -25,6 +25,7 @@ from types import ModuleType
 
 import torch
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import Backbone
 
 # Order of listing. Modules missing from a checkout are skipped (see _family_modules).
@@ -55,10 +56,10 @@ def _family_modules() -> dict[str, ModuleType]:
 
 
 def family_module(family: str) -> ModuleType:
-    """The module of a registered family (``ValueError`` naming the available ones otherwise)."""
+    """The module of a registered family (``UserError`` naming the available ones otherwise)."""
     modules = _family_modules()
     if family not in modules:
-        raise ValueError(f"unknown backbone family {family!r}; available families: {', '.join(modules)}")
+        raise UserError(f"unknown backbone family {family!r}; available families: {', '.join(modules)}")
     return modules[family]
 
 
@@ -91,7 +92,7 @@ def list_models(family: str | None = None) -> list[str]:
     return [name for f in families for name in family_module(f).VARIANTS]
 
 
-def _unknown(name: str) -> ValueError:
+def _unknown(name: str) -> UserError:
     """One line (the CLI prints one): the closest names, then every family with its variants."""
     import difflib
 
@@ -101,11 +102,11 @@ def _unknown(name: str) -> ValueError:
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     listing = "; ".join(f"{family}: {', '.join(module.VARIANTS)}" for family, module in families.items())
     vit = " (vit also takes any plain timm ViT name, e.g. vit_small_patch16_224)" if "vit" in families else ""
-    return ValueError(f"unknown model {name!r}{hint}; families and their variants: {listing}{vit}")
+    return UserError(f"unknown model {name!r}{hint}; families and their variants: {listing}{vit}")
 
 
 def resolve(name: str) -> Entry:
-    """Find ``name`` (or an alias a family accepts) in the registry; ``ValueError`` listing all names if absent."""
+    """Find ``name`` (or an alias a family accepts) in the registry; ``UserError`` listing all names if absent."""
     key = str(name).strip()
     for family, module in _family_modules().items():
         if key in module.VARIANTS:
@@ -177,5 +178,5 @@ def supervised_drop_path(name: str) -> float:
     entry = resolve(name)
     hook = getattr(family_module(entry.family), "supervised_drop_path", None)
     if hook is None:
-        raise ValueError(f"{entry.family} records no supervised drop-path rate for {entry.name}")
+        raise UserError(f"{entry.family} records no supervised drop-path rate for {entry.name}")
     return hook(entry.name)

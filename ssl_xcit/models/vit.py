@@ -18,6 +18,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import AttentionNotSupported, Backbone
 
 VARIANTS: dict[str, dict] = {
@@ -57,10 +58,10 @@ class TimmViT(Backbone, VisionTransformer):
             source = timm.create_model(model_name, pretrained=False, num_classes=num_classes, **kwargs)
         except TypeError as error:  # other ViT classes (relpos, ...) do not take dynamic_img_size
             if "dynamic_img_size" in str(error):
-                raise ValueError(refusal) from error
+                raise UserError(refusal) from error
             raise
         if type(source) is not VisionTransformer:
-            raise ValueError(refusal + f" (it is a {type(source).__name__})")
+            raise UserError(refusal + f" (it is a {type(source).__name__})")
         # Adopt the timm module's state (parameters, submodules, attributes): same names, same behaviour.
         self.__dict__.update(source.__dict__)
         self.name = model_name

@@ -25,6 +25,7 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.layers import ClassAttentionBlock, PositionalEncodingFourier, XCABlock, conv_patch_embed
 
@@ -124,7 +125,7 @@ class XCiT(Backbone):
 
     # ----------------------------------------------------------------- utilities
     def check_input(self, x: Tensor) -> None:
-        """Raise a ValueError naming the size and the patch when the input cannot be tiled by patches."""
+        """Raise a UserError naming the size and the patch when the input cannot be tiled by patches."""
         if x.ndim != 4:
             raise ValueError(
                 f"{self.name} expects a (B, C, H, W) image batch, got a tensor of shape {tuple(x.shape)}"
@@ -133,7 +134,7 @@ class XCiT(Backbone):
         p = self.patch_size
         if height % p or width % p or height == 0 or width == 0:
             hint = f"{max(p, round(height / p) * p)}x{max(p, round(width / p) * p)}"
-            raise ValueError(
+            raise UserError(
                 f"input size {height}x{width} is not a multiple of the patch size {p} of {self.name}; "
                 f"both sides must be positive multiples of {p} (e.g. {hint})"
             )

@@ -19,6 +19,8 @@ from asmk import ASMKMethod
 from asmk import codebook as asmk_codebook
 from asmk import index as asmk_index
 
+from ssl_xcit.errors import UserError
+
 
 def asmk_params(
     k: int,
@@ -52,7 +54,7 @@ def _image_ids(counts: np.ndarray, what: str) -> np.ndarray:
     counts = np.asarray(counts, dtype=np.int64)
     empty = np.flatnonzero(counts == 0)
     if empty.size:
-        raise ValueError(
+        raise UserError(
             f"{what} images {empty[:10].tolist()} have no local descriptor; ASMK needs at least one"
         )
     return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
@@ -68,7 +70,7 @@ class AsmkIndex:
         for step in ("build_ivf", "query_ivf"):
             ma = self.params[step]["quantize"]["multiple_assignment"]
             if not 1 <= ma <= k:
-                raise ValueError(
+                raise UserError(
                     f"{step} multiple assignment {ma} must be between 1 and the codebook size {k}"
                 )
         if k < 1024:

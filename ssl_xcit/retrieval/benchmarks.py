@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.retrieval.ground_truth import (
     _MAX_LISTED,
     RetrievalDataset,
@@ -40,7 +41,7 @@ def load_rotations(path: str | Path) -> dict[str, int]:
             continue
         parts = line.split()
         if len(parts) != 2 or not re.fullmatch(r"-?\d+", parts[1]) or int(parts[1]) % 90:
-            raise ValueError(
+            raise UserError(
                 f"{path}:{lineno}: expected 'name angle' with angle a multiple of 90, got {line!r}"
             )
         out[Path(parts[0]).stem] = int(parts[1]) % 360
@@ -58,9 +59,7 @@ def load_holidays(root: str | Path, rotations: str | Path | None = None) -> Retr
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".jpg", ".jpeg"))
     bad = [p.name for p in files if not p.stem.isdigit()]
     if bad:
-        raise ValueError(
-            f"Holidays file names must be image numbers like 100000.jpg; got {bad[:_MAX_LISTED]}"
-        )
+        raise UserError(f"Holidays file names must be image numbers like 100000.jpg; got {bad[:_MAX_LISTED]}")
     if not files:
         raise FileNotFoundError(f"no Holidays images (NNNNNN.jpg) in {folder}")
     numbers = np.array([int(p.stem) for p in files])
@@ -68,7 +67,7 @@ def load_holidays(root: str | Path, rotations: str | Path | None = None) -> Retr
     is_query = numbers % 100 == 0
     no_query = sorted(set(groups.tolist()) - set(groups[is_query].tolist()))
     if no_query:
-        raise ValueError(
+        raise UserError(
             f"Holidays groups {no_query[:_MAX_LISTED]} have no query image (the one numbered group*100); "
             "the folder is incomplete"
         )
@@ -81,7 +80,7 @@ def load_holidays(root: str | Path, rotations: str | Path | None = None) -> Retr
     rot = load_rotations(rotations) if rotations else {}
     unknown = sorted(set(rot) - {p.stem for p in files})
     if unknown:
-        raise ValueError(f"rotation list names images not in {folder}: {unknown[:_MAX_LISTED]}")
+        raise UserError(f"rotation list names images not in {folder}: {unknown[:_MAX_LISTED]}")
     return RetrievalDataset(
         "holidays",
         "holidays",

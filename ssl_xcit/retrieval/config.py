@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ssl_xcit.errors import UserError
+
 METHODS = ("cls", "vlad", "asmk")
 DEFAULT_K = {"vlad": 256, "asmk": 1024}
 
@@ -51,16 +53,16 @@ class RetrievalConfig:
 
     def validate(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"unknown retrieval method {self.method!r}; valid: {', '.join(METHODS)}")
+            raise UserError(f"unknown retrieval method {self.method!r}; valid: {', '.join(METHODS)}")
         if self.resolution < 16:
-            raise ValueError(f"resolution must be at least one patch (>= 16 px), got {self.resolution}")
+            raise UserError(f"resolution must be at least one patch (>= 16 px), got {self.resolution}")
         if self.max_local is not None and self.max_local < 1:
-            raise ValueError(f"max_local must be >= 1 (or None for all tokens), got {self.max_local}")
+            raise UserError(f"max_local must be >= 1 (or None for all tokens), got {self.max_local}")
         if self.method in ("vlad", "asmk") and self.train_images is None:
-            raise ValueError(
+            raise UserError(
                 f"--method {self.method} learns PCA and a codebook: give --train-images (a folder or .txt list of "
                 "images independent of the benchmark), or --train-images database to learn on the database itself "
                 "(not independent; results are then optimistic)"
             )
         if self.method == "cls" and self.whiten and self.train_images is None:
-            raise ValueError("--whiten learns PCA-whitening: give --train-images (or 'database')")
+            raise UserError("--whiten learns PCA-whitening: give --train-images (or 'database')")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.retrieval.benchmarks import (
     load_holidays,
     load_json_benchmark,
@@ -59,4 +60,4 @@ def load_dataset(
         return load_ukbench(root)
     if name == "json":
         return load_json_benchmark(root)
-    raise ValueError(f"unknown retrieval dataset {name!r}; valid: {', '.join(DATASETS)}")
+    raise UserError(f"unknown retrieval dataset {name!r}; valid: {', '.join(DATASETS)}")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ssl_xcit.errors import UserError
+
 _MAX_LISTED = 10
 
 
@@ -53,8 +55,8 @@ def check_files_exist(paths: Sequence[Path], what: str) -> None:
         raise FileNotFoundError(f"{len(missing)} of {len(paths)} {what} files are missing:\n  {shown}{more}")
 
 
-def _gt_error(source: Path | str, message: str) -> ValueError:
-    return ValueError(f"malformed ground truth in {source}: {message}")
+def _gt_error(source: Path | str, message: str) -> UserError:
+    return UserError(f"malformed ground truth in {source}: {message}")
 
 
 def _index_list(value, source, where: str, n_db: int) -> np.ndarray:

@@ -27,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ssl_xcit.data.datasets import IMG_EXTENSIONS, is_image_file, load_image
 from ssl_xcit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ssl_xcit.errors import UserError
 from ssl_xcit.retrieval.ground_truth import check_files_exist
 
 
@@ -77,7 +78,7 @@ def load_resized(
         draft = (math.ceil(stored_w * scale), math.ceil(stored_h * scale)) if scale < 1 else None
         im = load_image(path, exif_transpose=exif_transpose, draft=draft)
     except (UnidentifiedImageError, OSError) as err:
-        raise ValueError(f"cannot read image {path}: {err}") from err
+        raise UserError(f"cannot read image {path}: {err}") from err
     # decoded = (decoded pixels) / (original pixels): draft scales both axes alike, and max() is unchanged by an
     # EXIF 90-degree turn.
     decoded = max(im.size) / max(stored_w, stored_h)
@@ -93,7 +94,7 @@ def load_resized(
             min(im.height, max(round(y2), round(y1) + 1)),
         )
         if box[0] >= box[2] or box[1] >= box[3]:
-            raise ValueError(f"bounding box {bbx} lies outside image {path} ({full_w:.0f}x{full_h:.0f})")
+            raise UserError(f"bounding box {bbx} lies outside image {path} ({full_w:.0f}x{full_h:.0f})")
         im = im.crop(box)
         crop_w, crop_h = (box[2] - box[0]) / decoded, (box[3] - box[1]) / decoded
     else:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ssl_xcit.errors import UserError
+
 KAPPAS = (1, 5, 10)
 
 
@@ -80,7 +82,7 @@ def map_and_precision(
 ) -> dict[str, object]:
     """mAP and mP@k over the queries that have at least one positive (the others are skipped, AP = NaN).
 
-    A query's positives and junk must be disjoint (a ValueError names the overlap).
+    A query's positives and junk must be disjoint (a UserError names the overlap).
     """
     n_q = len(positives)
     ranks = _as_rank_matrix(ranks, n_q)
@@ -94,7 +96,7 @@ def map_and_precision(
         bad = np.intersect1d(ok, np.asarray(junk[i], dtype=np.int64))
         if bad.size:
             # revisitop's position rule would count such an image twice (AP can exceed 1): refuse it.
-            raise ValueError(
+            raise UserError(
                 f"query {i}: database images {bad[:10].tolist()} are both positive and junk; "
                 "each image must be one or the other"
             )
@@ -123,7 +125,7 @@ def revisited_ground_truth(gnd: Sequence[dict], protocol: str) -> tuple[list[np.
         return [cat(g["easy"], g["hard"]) for g in gnd], [cat(g["junk"]) for g in gnd]
     if protocol == "hard":
         return [cat(g["hard"]) for g in gnd], [cat(g["junk"], g["easy"]) for g in gnd]
-    raise ValueError(f"unknown revisited protocol {protocol!r}; valid: easy, medium, hard")
+    raise UserError(f"unknown revisited protocol {protocol!r}; valid: easy, medium, hard")
 
 
 def revisited_metrics(

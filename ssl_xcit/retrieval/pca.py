@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ssl_xcit.errors import UserError
+
 
 @dataclass
 class PCA:
@@ -36,11 +38,11 @@ class PCA:
         """Learn the projection to ``dim`` dimensions from the rows of ``x`` (n, d)."""
         n, d = x.shape
         if dim > d:
-            raise ValueError(
+            raise UserError(
                 f"PCA to {dim} dimensions is impossible for {d}-dimensional descriptors (use <= {d})"
             )
         if n <= dim:
-            raise ValueError(
+            raise UserError(
                 f"PCA to {dim} dimensions needs more than {dim} training vectors, got {n}: "
                 "add training images or lower the PCA dimension"
             )

@@ -95,6 +95,7 @@ def run_retrieval(config: RetrievalConfig, model: nn.Module | None = None) -> di
         gnd_path=config.gnd,
         rotations=config.rotations,
     )
+    built_from_weights = model is None
     if model is None:
         from ssl_xcit.models import build_backbone
 
@@ -104,7 +105,7 @@ def run_retrieval(config: RetrievalConfig, model: nn.Module | None = None) -> di
         cache_dir = (
             None if config.no_cache else Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         )
-        store = DescriptorStore(model, config, arch, cache_dir)
+        store = DescriptorStore(model, config, arch, cache_dir, built_from_weights)
         db_images, q_images, train_images = _image_sets(dataset, config, int(model.size_multiple))
         timings["setup_s"] = time.perf_counter() - t0
         ranking = cls_ranking if config.method == "cls" else local_ranking

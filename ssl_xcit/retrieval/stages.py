@@ -7,7 +7,6 @@ ranking and the fields it adds to the results.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,37 +15,51 @@ import numpy as np
 import torch
 from torch import nn
 
+from ssl_xcit.data.datasets import load_image
 from ssl_xcit.evaluation.cache import (
     checkpoint_fingerprint,
     code_fingerprint,
     files_fingerprint,
+    library_versions,
     load_cached,
+    module_fingerprint,
     save_cached,
+    source_fingerprint,
 )
 from ssl_xcit.retrieval.asmk_index import AsmkIndex
 from ssl_xcit.retrieval.config import DEFAULT_K, RetrievalConfig
 from ssl_xcit.retrieval.datasets import ImageList
-from ssl_xcit.retrieval.descriptors import MULTISCALE, extract_global, extract_local, split_counts
+from ssl_xcit.retrieval.descriptors import (
+    MULTISCALE,
+    _rescale,
+    extract_global,
+    extract_local,
+    split_counts,
+)
+from ssl_xcit.retrieval.images import load_resized, target_size, to_tensor
 from ssl_xcit.retrieval.pca import PCA
 from ssl_xcit.retrieval.vlad import train_codebook, vlad_batch
 from ssl_xcit.utils.io import sha256_json
 
 # Bumped when descriptor extraction changes meaning, so cached descriptors of an older version are not reused
-# (changes to the model code itself are caught by code_fingerprint()).
+# (changes to the model code are caught by code_fingerprint(), to the image code by input_code_fingerprint()).
 EXTRACTION_VERSION = (
     "retrieval-v1: longer side=R, sides rounded to nearest patch multiple, bicubic, jpeg draft"
 )
 
 
 def model_fingerprint(model: nn.Module, weights: str | None) -> str:
-    """sha256 of the checkpoint file, or of the parameters when the model was built in memory."""
+    """sha256 of the checkpoint file the model was built from, or of the module itself (class, structure,
+    tensors) when ``weights`` is None: a module passed in is keyed on what it holds, whatever file it came from."""
     if weights is not None:
         return checkpoint_fingerprint(weights)
-    digest = hashlib.sha256()
-    for key, value in sorted(model.state_dict().items()):
-        digest.update(key.encode())
-        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    return module_fingerprint(model)
+
+
+def input_code_fingerprint() -> str:
+    """Source fingerprint of our code from an image file to the model input: decoding, cropping, resizing
+    (to the resolution, then to each scale of multi-scale descriptors)."""
+    return source_fingerprint(load_image, load_resized, target_size, to_tensor, ImageList, _rescale)
 
 
 def _subsample(n: int, limit: int | None) -> np.ndarray:
@@ -74,15 +87,26 @@ def rank(
 class DescriptorStore:
     """Cached computations of one run: compute on a miss, store, reuse on a hit (``directory`` None: no cache)."""
 
-    def __init__(self, model: nn.Module, config: RetrievalConfig, arch: str, directory: Path | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: RetrievalConfig,
+        arch: str,
+        directory: Path | None,
+        built_from_weights: bool = True,
+    ) -> None:
+        """``built_from_weights``: ``model`` was built from ``config.weights`` (keyed on the file's sha256);
+        False for a module the caller passed in, keyed on its own tensors."""
         self.model, self.config, self.directory = model, config, directory
         self.base_meta = {
             "kind": "retrieval",
-            "model": model_fingerprint(model, config.weights),
+            "model": model_fingerprint(model, config.weights if built_from_weights else None),
             "arch": arch,
             "resolution": config.resolution,
             "extraction": EXTRACTION_VERSION,
             "code": code_fingerprint(),
+            "libraries": library_versions(),
+            "input_code": input_code_fingerprint(),
         }
         self.extract = {"device": config.device, "num_workers": config.num_workers}
 

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ssl_xcit.errors import UserError
+
 
 def train_codebook(
     descriptors: np.ndarray | torch.Tensor, k: int, niter: int = 20, seed: int = 0
@@ -22,9 +24,9 @@ def train_codebook(
     x = np.ascontiguousarray(torch.as_tensor(descriptors).float().numpy())
     n, d = x.shape
     if k < 1:
-        raise ValueError(f"codebook size must be >= 1, got {k}")
+        raise UserError(f"codebook size must be >= 1, got {k}")
     if k > n:
-        raise ValueError(
+        raise UserError(
             f"codebook size k={k} is larger than the {n} training descriptors: k-means cannot place {k} "
             "centroids; add training images, raise --max-local, or lower --codebook-size"
         )

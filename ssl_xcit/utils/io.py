@@ -4,9 +4,11 @@ Every checkpoint, cache and result file goes through :func:`atomic_write`: the b
 in the same folder, are flushed to disk, then renamed over the target. A rename within one file system is
 atomic, so a run killed mid-write leaves either the old file or the new one, never half of one.
 
-File modes: a plain atomic write gets the mode ``open()`` would give (0666 minus the umask; ``mkstemp`` alone
-would make every file 0600). ``private=True`` (checkpoints, exported weights, feature caches) makes the file
-0600 and a folder it has to create 0700, so a shared group cannot read a colleague's weights.
+File modes: every file gets the mode ``open()`` would give (0666 minus the umask; ``mkstemp`` alone would make
+every file 0600) and every folder ``mkdir``'s (0777 minus the umask), as with any other tool: with a umask of
+027 a colleague in the group can read a checkpoint. ``private=True`` makes the file 0600 and a folder it has to
+create 0700. The writers of weights (checkpoints, exported backbones, feature caches) pass
+``private=owner_only()``: owner-only when ``SSL_XCIT_PRIVATE=1``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,23 @@ from typing import IO, Any
 
 import torch
 
+from ssl_xcit.errors import UserError
+
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
+PRIVATE_ENV = "SSL_XCIT_PRIVATE"
+
+
+def owner_only() -> bool:
+    """Whether checkpoints, exported weights and feature caches are written owner-only: ``SSL_XCIT_PRIVATE=1``.
+
+    An environment variable, so it reaches every writer, the processes a launcher starts and the Python API.
+    Unset, empty or ``0``: the umask decides, as for any other file.
+    """
+    value = os.environ.get(PRIVATE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise UserError(f"{PRIVATE_ENV} must be 1 (owner-only files) or 0 (follow the umask), got {value!r}")
+    return value == "1"
 
 
 def current_umask() -> int:
@@ -33,12 +50,15 @@ def current_umask() -> int:
     return mask
 
 
-def make_private_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` (and missing parents) with ``path`` itself 0700; an existing folder is left as it is."""
+def make_dir(path: str | os.PathLike, private: bool = False) -> Path:
+    """Create ``path`` and missing parents (0777 minus the umask); with ``private`` ``path`` itself is 0700.
+
+    An existing folder is left as it is.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=PRIVATE_DIR)
+        path.mkdir(mode=PRIVATE_DIR if private else 0o777)
     return path
 
 
@@ -49,10 +69,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", private: bool = Fals
     The file gets ``open()``'s mode (0666 minus the umask), or 0600 with ``private`` (see the module doc).
     """
     path = Path(path)
-    if private:
-        make_private_dir(path.parent)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent, private)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, PRIVATE_FILE if private else 0o666 & ~current_umask())

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import AttentionNotSupported
 from ssl_xcit.visualize.common import VisualizeError, prepare, progress, read_image
 
@@ -44,7 +45,7 @@ def attention_heatmaps(
             mass (DINO's masks) and return that binary mask instead.
     """
     if threshold is not None and not 0.0 < threshold <= 1.0:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+        raise UserError(f"threshold must be in (0, 1], got {threshold}")
     check_attention(model)
     model.check_input(images)
     was_training = model.training

@@ -14,9 +14,10 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
 from ssl_xcit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ssl_xcit.errors import UserError
 
 
-class VisualizeError(ValueError):
+class VisualizeError(UserError):
     """Bad input to a picture (unreadable image, unsupported kind, missing metrics): one line, naming the value."""
 
 

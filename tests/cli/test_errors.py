@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from PIL import UnidentifiedImageError
 
 from ssl_xcit.cli import console_main
 from ssl_xcit.cli.errors import HINT, suggest_key
+from ssl_xcit.errors import TrainingDiverged, UserError
 
 from .conftest import tiny_config
 
@@ -116,3 +119,88 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(models_cli, "main", broken)
     with pytest.raises(RuntimeError, match="internal bug"):
         console_main(["models"])
+
+
+def _models_command_raising(monkeypatch, error: BaseException) -> None:
+    import ssl_xcit.cli.models as models_cli
+
+    def broken(argv):
+        raise error
+
+    monkeypatch.setattr(models_cli, "main", broken)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        UserError("tile_size must be >= 1, got 0"),
+        FileNotFoundError("weights file not found: w.pth"),
+        UnidentifiedImageError("cannot identify image file 'x.jpg'"),
+        TrainingDiverged("DINO loss is nan at global step 3"),
+    ],
+    ids=type,
+)
+def test_the_project_error_and_known_library_errors_are_one_line(error, monkeypatch, capsys):
+    _models_command_raising(monkeypatch, error)
+    err = _fails(["models"], capsys)
+    assert err.startswith(f"ssl-xcit models: error: {error}")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ValueError("too many values to unpack"), KeyError("blocks.3"), TypeError("bad operand")],
+    ids=type,
+)
+def test_a_plain_library_error_deep_inside_keeps_its_traceback(error, monkeypatch):
+    _models_command_raising(monkeypatch, error)
+    with pytest.raises(type(error)):  # not SystemExit(2): Python prints the traceback and exits 1
+        console_main(["models"])
+
+
+def test_a_bug_while_handling_a_user_error_keeps_its_traceback(monkeypatch):
+    def fallback_with_a_bug(argv):
+        try:
+            raise FileNotFoundError("optional file absent")
+        except FileNotFoundError:
+            return int("not a number")  # a ValueError whose __context__ is the FileNotFoundError
+
+    import ssl_xcit.cli.models as models_cli
+
+    monkeypatch.setattr(models_cli, "main", fallback_with_a_bug)
+    with pytest.raises(ValueError, match="invalid literal") as info:
+        console_main(["models"])
+    assert isinstance(info.value.__context__, FileNotFoundError)
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+@pytest.mark.parametrize("kind", ["torch", "value"])
+def test_a_bug_inside_a_configured_class_keeps_its_traceback(kind, tmp_path, image_folder, monkeypatch):
+    """jsonargparse re-raises an ``__init__`` error as its own ValueError: a bug under it is still a bug."""
+    import ssl_xcit.dino.module as dino_module
+
+    def broken_create_model(name, **kwargs):
+        if kind == "torch":
+            return torch.zeros(2).view(3, 5)  # torch's own error, deep inside the model's construction
+        raise ValueError("shape mismatch in a layer")
+
+    monkeypatch.setattr(dino_module, "create_model", broken_create_model)
+    with pytest.raises(Exception) as info:
+        console_main(["fit", *tiny_config(tmp_path, image_folder)])
+    assert not isinstance(info.value, SystemExit)  # raised on, so Python prints the traceback
+    root = _root_cause(info.value)
+    assert isinstance(root, RuntimeError if kind == "torch" else ValueError) and not isinstance(
+        root, UserError
+    )
+
+
+def test_user_error_is_a_value_error():
+    assert issubclass(UserError, ValueError)  # `except ValueError` in callers keeps working
+    from ssl_xcit.models import create_model
+
+    with pytest.raises(UserError, match="unknown model 'xcit_bogus'"):
+        create_model("xcit_bogus")

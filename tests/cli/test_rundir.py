@@ -70,11 +70,20 @@ def test_default_root_dir_and_run_dir_move_everything(tmp_path, image_folder):
     assert not (tmp_path / "runs").exists()  # nothing landed in the recipe's root
 
 
-def test_checkpoints_are_owner_only(tmp_path, image_folder):
-    main(["fit", *tiny_config(tmp_path, image_folder), "--trainer.max_epochs=1"])
+@pytest.mark.parametrize("private", [False, True], ids=["umask", "SSL_XCIT_PRIVATE=1"])
+def test_checkpoint_modes_follow_the_umask_or_ssl_xcit_private(private, tmp_path, image_folder, monkeypatch):
+    import os
+
+    if private:
+        monkeypatch.setenv("SSL_XCIT_PRIVATE", "1")
+    old = os.umask(0o027)
+    try:
+        main(["fit", *tiny_config(tmp_path, image_folder), "--trainer.max_epochs=1"])
+    finally:
+        os.umask(old)
     folder = tmp_path / "runs" / "version_0" / "checkpoints"
-    assert _mode(folder) == 0o700
-    assert {_mode(p) for p in folder.glob("*.ckpt")} == {0o600}
+    assert _mode(folder) == (0o700 if private else 0o750)
+    assert {_mode(p) for p in folder.glob("*.ckpt")} == {0o600 if private else 0o640}
 
 
 def test_validate_last_without_any_run_is_an_error(tmp_path, image_folder):
@@ -82,3 +91,15 @@ def test_validate_last_without_any_run_is_an_error(tmp_path, image_folder):
         FileNotFoundError, match=r"--ckpt_path last: no run under .*runs has checkpoints/last.ckpt"
     ):
         main(["validate", *tiny_config(tmp_path, image_folder), "--ckpt_path=last"])
+
+
+@pytest.mark.parametrize(
+    "flag", ["--trainer.default_root_dir=memory://bucket/runs", "--run_dir=s3://bucket/run"]
+)
+def test_a_remote_run_folder_is_refused_not_written_locally(flag, tmp_path, image_folder, monkeypatch):
+    from ssl_xcit.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"is a remote URL, but the command line numbers and resumes runs"):
+        main(["fit", *tiny_config(tmp_path, image_folder), flag])
+    assert not list(tmp_path.glob("*:"))  # no local "memory:" or "s3:" folder

@@ -118,13 +118,3 @@ def test_code_fingerprint_changes_with_model_source(tmp_path, monkeypatch):
         assert cache.code_fingerprint() != before
     finally:
         cache.code_fingerprint.cache_clear()
-
-
-def test_feature_cache_entries_are_owner_only(tmp_path):
-    import stat
-
-    from ssl_xcit.evaluation.cache import save_cached
-
-    path = save_cached(tmp_path / "features", "train", {"k": 1}, {"x": torch.zeros(2)})
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700

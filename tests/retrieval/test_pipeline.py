@@ -319,3 +319,23 @@ def test_config_file_errors(tmp_path):
         parse_config(["--config", str(tmp_path / "none.yaml")])
     with pytest.raises(SystemExit, match="missing --data-root"):
         parse_config(["--dataset", "holidays", "--weights", "w.pth"])
+
+
+def test_a_module_passed_in_is_keyed_on_its_tensors_not_on_config_weights(setup, tmp_path):
+    cfg = RetrievalConfig(
+        "json",
+        str(setup["root"] / "mini.json"),
+        weights=str(setup["weights"]),
+        arch=ARCH,
+        resolution=int(RES),
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+    )
+    run_retrieval(cfg)
+    torch.manual_seed(5)
+    other = create_model(ARCH)  # other weights, with the same config.weights beside them
+    run_retrieval(cfg, model=other)
+    entries = sorted((tmp_path / "cache").glob("retrieval-cls-database-*.pt"))
+    assert len(entries) == 2  # no stale hit on the file's entry
+    a, b = (torch.load(e, weights_only=True)["tensors"]["features"] for e in entries)
+    assert not torch.allclose(a, b)

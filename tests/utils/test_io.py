@@ -52,11 +52,34 @@ def test_atomic_writes_honour_the_umask_like_open(tmp_path, umask_027):
 
 
 def test_private_writes_are_owner_only(tmp_path, umask_027):
-    from ssl_xcit.utils.io import make_private_dir
+    from ssl_xcit.utils.io import make_dir
 
     path = atomic_torch_save({"w": torch.ones(2)}, tmp_path / "new_folder" / "last.ckpt", private=True)
     assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
     existing = tmp_path / "mine"
     existing.mkdir(mode=0o755)
     existing.chmod(0o755)
-    assert _mode(make_private_dir(existing)) == 0o755  # a folder the user made is left as it is
+    assert _mode(make_dir(existing, private=True)) == 0o755  # a folder the user made is left as it is
+    assert _mode(make_dir(tmp_path / "shared")) == 0o750  # not private: mkdir's 0777 minus the umask
+
+
+@pytest.mark.parametrize(
+    "value, expected", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)]
+)
+def test_owner_only_follows_ssl_xcit_private(value, expected, monkeypatch):
+    from ssl_xcit.utils.io import owner_only
+
+    if value is None:
+        monkeypatch.delenv("SSL_XCIT_PRIVATE", raising=False)
+    else:
+        monkeypatch.setenv("SSL_XCIT_PRIVATE", value)
+    assert owner_only() is expected
+
+
+def test_owner_only_refuses_other_values(monkeypatch):
+    from ssl_xcit.errors import UserError
+    from ssl_xcit.utils.io import owner_only
+
+    monkeypatch.setenv("SSL_XCIT_PRIVATE", "yes")
+    with pytest.raises(UserError, match=r"SSL_XCIT_PRIVATE must be 1 \(owner-only files\) or 0 .*got 'yes'"):
+        owner_only()

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
+from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation import features as features_module
 from ssl_xcit.evaluation.features import FeatureConfig, compute_features
 from ssl_xcit.evaluation.report import format_linear_table
@@ -84,7 +85,7 @@ class LinearProbe(pl.LightningModule):
         self.save_hyperparameters()
         self.base_lrs = [float(x) for x in ([lrs] if isinstance(lrs, (int, float)) else lrs)]
         if not self.base_lrs or any(not (math.isfinite(x) and x > 0) for x in self.base_lrs):
-            raise ValueError(f"lrs must be positive numbers, got {lrs!r}")
+            raise UserError(f"lrs must be positive numbers, got {lrs!r}")
         self.config = FeatureConfig(n_last_blocks, avgpool_patchtokens)
         if feature_dim is None:
             self.backbone = features_module.build_eval_backbone(weights, arch, seed)
@@ -105,7 +106,7 @@ class LinearProbe(pl.LightningModule):
     # --- model ---------------------------------------------------------------------------------------------
     def _make_heads(self, num_classes: int) -> None:
         if num_classes < 2:
-            raise ValueError(f"a linear probe needs at least 2 classes, got {num_classes}")
+            raise UserError(f"a linear probe needs at least 2 classes, got {num_classes}")
         self.num_classes = num_classes
         self.hparams.num_classes = (
             num_classes  # saved in checkpoints, so load_from_checkpoint rebuilds the heads
