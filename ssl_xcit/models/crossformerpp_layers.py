@@ -19,11 +19,16 @@ NEG_INF = -1e6
 @lru_cache(maxsize=64)
 def _relative_offsets(group: int) -> tuple[Tensor, Tensor]:
     """All (dy, dx) offsets of a G x G group as floats ((2G-1)^2, 2), and each query-key pair's row in them."""
-    span = torch.arange(1 - group, group)
-    offsets = torch.stack(torch.meshgrid(span, span, indexing="ij")).flatten(1).t().float()
-    coords = torch.stack(torch.meshgrid(torch.arange(group), torch.arange(group), indexing="ij")).flatten(1)
-    rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (group - 1)
-    return offsets, (rel[..., 0] * (2 * group - 1) + rel[..., 1]).flatten()
+    # Cached tensors outlive the call: made under inference mode (k-NN, predict) they could never be saved
+    # for a later backward pass, so they are always made as normal tensors.
+    with torch.inference_mode(False):
+        span = torch.arange(1 - group, group)
+        offsets = torch.stack(torch.meshgrid(span, span, indexing="ij")).flatten(1).t().float()
+        coords = torch.stack(torch.meshgrid(torch.arange(group), torch.arange(group), indexing="ij")).flatten(
+            1
+        )
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (group - 1)
+        return offsets, (rel[..., 0] * (2 * group - 1) + rel[..., 1]).flatten()
 
 
 @lru_cache(maxsize=64)
@@ -33,10 +38,11 @@ def _padding_mask(height: int, width: int, group: int, interval: int, lda: bool)
     pad_h, pad_w = -height % div, -width % div
     if not (pad_h or pad_w):
         return None
-    valid = torch.zeros(height + pad_h, width + pad_w, dtype=torch.bool)
-    valid[:height, :width] = True
-    groups = _group(valid[None, :, :, None], group, interval, lda).squeeze(-1)
-    return torch.zeros(groups.shape).masked_fill(~groups, NEG_INF)[:, None, :]
+    with torch.inference_mode(False):  # cached: see _relative_offsets
+        valid = torch.zeros(height + pad_h, width + pad_w, dtype=torch.bool)
+        valid[:height, :width] = True
+        groups = _group(valid[None, :, :, None], group, interval, lda).squeeze(-1)
+        return torch.zeros(groups.shape).masked_fill(~groups, NEG_INF)[:, None, :]
 
 
 def _group(x: Tensor, group: int, interval: int, lda: bool) -> Tensor:

@@ -217,3 +217,19 @@ def test_checkpoints_with_size_bound_buffers_load_strictly():
     state["layers.0.blocks.1.attn.unknown"] = torch.zeros(1)
     with pytest.raises(RuntimeError, match="attn.unknown"):
         tiny().load_state_dict(state, strict=True)
+
+
+def test_backward_after_an_inference_mode_forward():
+    """The cached offset and padding tensors must not be inference tensors: a k-NN or predict pass (inference
+    mode) before training used to make the next backward fail ("Inference tensors cannot be saved")."""
+    from ssl_xcit.models import create_model
+    from ssl_xcit.models.crossformerpp_layers import _padding_mask, _relative_offsets
+
+    _relative_offsets.cache_clear()
+    _padding_mask.cache_clear()
+    model = create_model("crossformerpp_small", depths=(1, 1, 1, 1))
+    x = torch.randn(1, 3, 96, 96)  # 24x24 at stride 4: padded groups, so the padding mask is cached too
+    with torch.inference_mode():
+        model(x)
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
