@@ -24,8 +24,8 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-class DINOLoss(nn.Module):
-    """Self-distillation loss with centering and teacher sharpening.
+class TeacherTargets(nn.Module):
+    """The teacher side shared by the DINO and iBOT terms: a temperature schedule, centring, the EMA centre.
 
     Args:
         out_dim: number of prototypes K of the head.
@@ -34,12 +34,74 @@ class DINOLoss(nn.Module):
         warmup_teacher_temp_epochs: epochs of the linear teacher-temperature warm-up.
         student_temp: student temperature (0.1 in every published run).
         center_momentum: EMA factor of the center (0.9).
-        num_global_crops: the teacher sees only the first ``num_global_crops`` views.
         centering: ``ema`` subtracts an EMA of the mean teacher logit before the sharpened softmax (DINO);
             ``sinkhorn_knopp`` turns the sharpened teacher logits into targets whose prototypes share the batch
             equally (DINOv2's centring, 3 iterations): neither collapse mode can form within a batch, which
             is what small batches on small data need.
         sinkhorn_iterations: Sinkhorn-Knopp normalisation rounds (3 in DINOv2).
+    """
+
+    def __init__(
+        self,
+        out_dim: int,
+        warmup_teacher_temp: float = 0.04,
+        teacher_temp: float = 0.04,
+        warmup_teacher_temp_epochs: int = 0,
+        student_temp: float = 0.1,
+        center_momentum: float = 0.9,
+        centering: Literal["ema", "sinkhorn_knopp"] = "ema",
+        sinkhorn_iterations: int = 3,
+    ) -> None:
+        super().__init__()
+        if centering not in ("ema", "sinkhorn_knopp"):
+            raise UserError(f"centering must be 'ema' or 'sinkhorn_knopp', got {centering!r}")
+        if sinkhorn_iterations < 1:
+            raise UserError(f"sinkhorn_iterations must be >= 1, got {sinkhorn_iterations}")
+        self.centering = centering
+        self.sinkhorn_iterations = sinkhorn_iterations
+        self.out_dim = out_dim
+        self.warmup_teacher_temp = warmup_teacher_temp
+        self.teacher_temp = teacher_temp
+        self.warmup_teacher_temp_epochs = warmup_teacher_temp_epochs
+        self.student_temp = student_temp
+        self.center_momentum = center_momentum
+        # A buffer, so it is saved in (and restored from) checkpoints and moved with the module.
+        self.register_buffer("center", torch.zeros(1, out_dim))
+
+    def teacher_temp_at(self, epoch: int) -> float:
+        return teacher_temperature(
+            epoch, self.warmup_teacher_temp, self.teacher_temp, self.warmup_teacher_temp_epochs
+        )
+
+    def targets(self, teacher_output: torch.Tensor, epoch: int) -> torch.Tensor:
+        """The teacher's (detached) target distributions for logits (N, K): centred and sharpened."""
+        temp = self.teacher_temp_at(epoch)
+        if self.centering == "sinkhorn_knopp":
+            return sinkhorn_knopp(teacher_output.detach() / temp, self.sinkhorn_iterations)
+        return F.softmax((teacher_output - self.center) / temp, dim=-1).detach()
+
+    @torch.no_grad()
+    def collapse_signals(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean per-row entropy, KL(mean target || uniform)) in nats; zeros without rows."""
+        if targets.shape[0] == 0:
+            zero = targets.new_zeros(())
+            return zero, zero
+        entropy = -(targets * torch.log(targets.clamp_min(1e-12))).sum(-1).mean()
+        mean_probs = targets.mean(0)
+        kl_uniform = (mean_probs * torch.log(mean_probs.clamp_min(1e-12))).sum() + math.log(self.out_dim)
+        return entropy, kl_uniform
+
+    @torch.no_grad()
+    def update_center(self, teacher_output: torch.Tensor) -> None:
+        """EMA of the mean teacher logit over the global batch (all processes)."""
+        ema_center_(self.center, teacher_output, self.center_momentum)
+
+
+class DINOLoss(TeacherTargets):
+    """Self-distillation loss with centering and teacher sharpening.
+
+    Args: those of :class:`TeacherTargets`, plus ``num_global_crops``: the teacher sees only the first
+    ``num_global_crops`` views.
 
     Collapse signals: with centering dominating, every teacher output becomes uniform (entropy -> log K,
     KL-to-uniform -> 0); with sharpening dominating, one prototype wins for every image (entropy -> 0,
@@ -58,27 +120,17 @@ class DINOLoss(nn.Module):
         centering: Literal["ema", "sinkhorn_knopp"] = "ema",
         sinkhorn_iterations: int = 3,
     ) -> None:
-        super().__init__()
-        if centering not in ("ema", "sinkhorn_knopp"):
-            raise UserError(f"centering must be 'ema' or 'sinkhorn_knopp', got {centering!r}")
-        if sinkhorn_iterations < 1:
-            raise UserError(f"sinkhorn_iterations must be >= 1, got {sinkhorn_iterations}")
-        self.centering = centering
-        self.sinkhorn_iterations = sinkhorn_iterations
-        self.out_dim = out_dim
-        self.warmup_teacher_temp = warmup_teacher_temp
-        self.teacher_temp = teacher_temp
-        self.warmup_teacher_temp_epochs = warmup_teacher_temp_epochs
-        self.student_temp = student_temp
-        self.center_momentum = center_momentum
-        self.num_global_crops = num_global_crops
-        # A buffer, so it is saved in (and restored from) checkpoints and moved with the module.
-        self.register_buffer("center", torch.zeros(1, out_dim))
-
-    def teacher_temp_at(self, epoch: int) -> float:
-        return teacher_temperature(
-            epoch, self.warmup_teacher_temp, self.teacher_temp, self.warmup_teacher_temp_epochs
+        super().__init__(
+            out_dim,
+            warmup_teacher_temp,
+            teacher_temp,
+            warmup_teacher_temp_epochs,
+            student_temp,
+            center_momentum,
+            centering,
+            sinkhorn_iterations,
         )
+        self.num_global_crops = num_global_crops
 
     def forward(
         self,
@@ -105,11 +157,7 @@ class DINOLoss(nn.Module):
         student_output = student_output.float()
         teacher_output = teacher_output.float()
         student_logp = F.log_softmax(student_output / self.student_temp, dim=-1).chunk(n_views)
-        temp = self.teacher_temp_at(epoch)
-        if self.centering == "sinkhorn_knopp":
-            teacher_probs = sinkhorn_knopp(teacher_output.detach() / temp, self.sinkhorn_iterations)
-        else:
-            teacher_probs = F.softmax((teacher_output - self.center) / temp, dim=-1).detach()
+        teacher_probs = self.targets(teacher_output, epoch)
 
         total = student_output.new_zeros(())
         n_terms = 0
@@ -121,18 +169,10 @@ class DINOLoss(nn.Module):
                 n_terms += 1
         loss = total / n_terms
 
-        with torch.no_grad():
-            entropy = -(teacher_probs * torch.log(teacher_probs.clamp_min(1e-12))).sum(-1).mean()
-            mean_probs = teacher_probs.mean(0)
-            kl_uniform = (mean_probs * torch.log(mean_probs.clamp_min(1e-12))).sum() + math.log(self.out_dim)
+        entropy, kl_uniform = self.collapse_signals(teacher_probs)
         if update_center and self.centering == "ema":
             self.update_center(teacher_output)
         return DINOLossOutput(loss, entropy, kl_uniform)
-
-    @torch.no_grad()
-    def update_center(self, teacher_output: torch.Tensor) -> None:
-        """EMA of the mean teacher logit over the global batch (all processes)."""
-        ema_center_(self.center, teacher_output, self.center_momentum)
 
 
 @torch.no_grad()

@@ -154,7 +154,7 @@ class XCiT(Backbone):
             # into neighbouring patches, so replacing a masked patch's embedding alone would still let its
             # border pixels into the unmasked neighbours' embeddings. Blanking the masked patches' pixels
             # first makes their content invisible everywhere, as iBOT's non-overlapping ViT stem guarantees
-            # (docs/ibot.md, tests/models/test_masking.py).
+            # (docs/ibot.md, tests/models/test_patch_masking.py).
             p = self.patch_size
             grid = (x.shape[0], x.shape[-2] // p, x.shape[-1] // p)
             self._check_mask(mask, grid)
