@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -108,28 +108,8 @@ class DINOLoss(TeacherTargets):
     KL-to-uniform -> log K). Healthy training keeps per-sample entropy low and KL-to-uniform low as well.
     """
 
-    def __init__(
-        self,
-        out_dim: int,
-        warmup_teacher_temp: float = 0.04,
-        teacher_temp: float = 0.04,
-        warmup_teacher_temp_epochs: int = 0,
-        student_temp: float = 0.1,
-        center_momentum: float = 0.9,
-        num_global_crops: int = 2,
-        centering: Literal["ema", "sinkhorn_knopp"] = "ema",
-        sinkhorn_iterations: int = 3,
-    ) -> None:
-        super().__init__(
-            out_dim,
-            warmup_teacher_temp,
-            teacher_temp,
-            warmup_teacher_temp_epochs,
-            student_temp,
-            center_momentum,
-            centering,
-            sinkhorn_iterations,
-        )
+    def __init__(self, out_dim: int, num_global_crops: int = 2, **teacher_targets: Any) -> None:
+        super().__init__(out_dim, **teacher_targets)
         self.num_global_crops = num_global_crops
 
     def forward(
