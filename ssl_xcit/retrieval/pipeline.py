@@ -100,12 +100,14 @@ def run_retrieval(config: RetrievalConfig, model: nn.Module | None = None) -> di
         from ssl_xcit.models import build_backbone
 
         model = build_backbone(config.weights, config.arch)
+    # Keyed where the caller's tensors are (a copy on another device may not be readable, e.g. "meta").
+    model_key = model_fingerprint(model, config.weights if built_from_weights else None)
     with eval_mode(model, config.device):  # once for every extraction step of the run
         arch = getattr(model, "name", None) or config.arch or type(model).__name__
         cache_dir = (
             None if config.no_cache else Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         )
-        store = DescriptorStore(model, config, arch, cache_dir, built_from_weights)
+        store = DescriptorStore(model, config, arch, cache_dir, model_key)
         db_images, q_images, train_images = _image_sets(dataset, config, int(model.size_multiple))
         timings["setup_s"] = time.perf_counter() - t0
         ranking = cls_ranking if config.method == "cls" else local_ranking

@@ -93,14 +93,14 @@ class DescriptorStore:
         config: RetrievalConfig,
         arch: str,
         directory: Path | None,
-        built_from_weights: bool = True,
+        model_key: str | None = None,
     ) -> None:
-        """``built_from_weights``: ``model`` was built from ``config.weights`` (keyed on the file's sha256);
-        False for a module the caller passed in, keyed on its own tensors."""
+        """``model_key``: the model's cache key (:func:`model_fingerprint`), computed by the caller before it moved
+        the model to the run's device; None keys on ``config.weights`` (a model built from that file)."""
         self.model, self.config, self.directory = model, config, directory
         self.base_meta = {
             "kind": "retrieval",
-            "model": model_fingerprint(model, config.weights if built_from_weights else None),
+            "model": model_key if model_key is not None else model_fingerprint(model, config.weights),
             "arch": arch,
             "resolution": config.resolution,
             "extraction": EXTRACTION_VERSION,

@@ -63,6 +63,7 @@ def test_every_command_module_exists():
         assert callable(getattr(importlib.import_module(module), function))
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch (~10 s); the console-script tests cover dispatch
 def test_python_dash_m_exits_zero():
     out = subprocess.run(
         [sys.executable, "-m", "ssl_xcit", "models", "xcit_nano_12_p16", "--input-size", "32", "32"],

@@ -57,8 +57,10 @@ def test_the_cli_flag_trusts_only_the_command_that_names_it(tmp_path, monkeypatc
     with pytest.raises(SystemExit):  # trusted, but this file records no backbone: the unpickle itself ran
         cli_main(["export", str(path), "out.pth", "--trust-checkpoint"])
     assert marker.exists()
-    cli_main(["models"])  # a later command without the flag is untrusted again
-    assert not checkpoint_module.TRUST_FROM_CLI
+    marker.unlink()
+    with pytest.raises(SystemExit):  # a later command without the flag is untrusted again
+        cli_main(["export", str(path), "out.pth"])
+    assert not marker.exists() and not checkpoint_module.TRUST_FROM_CLI
 
 
 def test_official_dino_layout_with_argparse_namespace_loads_without_trust(tmp_path):
