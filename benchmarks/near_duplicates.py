@@ -8,7 +8,8 @@
         --random-init --arch xcit_nano_12_p8 --depth 1 --vlad-k 8 --max-train-images 8 --resolution 64
 
 ``build`` takes photos nobody trained on: by default the held-out 20 % of ``../shared/data/flowers5`` (the split of
-``benchmarks/learning.py --data flowers5``; any ImageFolder path works, split the same way). The database is
+``benchmarks/learning.py --data flowers5``; any ImageFolder path works, split the same way), or with ``--source
+cifar10`` the 2,000 test photos of ``cifar10_12k`` (32 px; ``learning.py --data cifar10`` never trains on them). The database is
 every held-out photo; each query is a transformed copy of one of them: a crop keeping 40-80 % of the area,
 a rotation of 8-30 degrees either way, brightness, contrast and saturation x0.6-1.4 with a hue shift of up to
 0.05, and JPEG re-encoding at quality 20-50. Its single positive is its source; the other held-out photos, many
@@ -69,9 +70,13 @@ def transformed_copy(image: Image.Image, rng: np.random.Generator) -> tuple[Imag
 
 
 def build(source: str, out: Path, n_queries: int, seed: int, limit: int | None) -> Path:
-    root = SHARED / "flowers5" if source == "flowers5" else Path(source)
-    samples = build_dataset(str(root)).samples
-    train, held_out = stratified_split(samples, 0.2, 0)  # learning.py's split: these were never trained on
+    if source == "cifar10":  # learning.py --data cifar10 trains on train/ and holds out all of test/
+        train = build_dataset(str(SHARED / "cifar10_12k" / "train")).samples
+        held_out = build_dataset(str(SHARED / "cifar10_12k" / "test")).samples
+    else:
+        root = SHARED / "flowers5" if source == "flowers5" else Path(source)
+        samples = build_dataset(str(root)).samples
+        train, held_out = stratified_split(samples, 0.2, 0)  # learning.py's split: never trained on
     if limit:
         held_out = held_out[:limit]
     database = [str(Path(p).resolve()) for p, _ in held_out]
@@ -157,7 +162,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="write the benchmark (queries + benchmark.json + train_images.txt)")
-    b.add_argument("--source", default="flowers5", help="flowers5 or an ImageFolder path (held-out 20 %%)")
+    b.add_argument(
+        "--source",
+        default="flowers5",
+        help="flowers5, cifar10 (its test/) or an ImageFolder path (held-out 20 %%)",
+    )
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--queries", type=int, default=200)
     b.add_argument("--limit", type=int, default=None, help="keep only the first N held-out photos (tests)")

@@ -1,4 +1,4 @@
-"""A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE``.
+"""A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE [empty|ibot]``.
 
 Run under ``torchrun --nproc_per_node 2`` it is a real 2-process Lightning DDP run on CPU (gloo); with
 WORLD_SIZE 1 it is the single-process reference on the same global batch (8 images per step).
@@ -74,11 +74,14 @@ def initial_student() -> dict:
     return {k: v.clone() for k, v in build().student.state_dict().items()}
 
 
-def run(out_dir: str | Path, world_size: int, empty_first_batch_on_rank1: bool = False) -> dict:
-    """With ``empty_first_batch_on_rank1`` every image of rank 1's first batch is unreadable."""
+def run(
+    out_dir: str | Path, world_size: int, empty_first_batch_on_rank1: bool = False, ibot: bool = False
+) -> dict:
+    """With ``empty_first_batch_on_rank1`` every image of rank 1's first batch is unreadable; ``ibot`` adds the
+    masked patch term with Sinkhorn-Knopp centring (all-reduced over the masked patches of both ranks)."""
     from ssl_xcit.data.datasets import collate_train
 
-    model = build()
+    model = build(ibot_loss_weight=1.0, centering="sinkhorn_knopp") if ibot else build()
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -125,4 +128,5 @@ def run(out_dir: str | Path, world_size: int, empty_first_batch_on_rank1: bool =
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]), empty_first_batch_on_rank1=sys.argv[3:] == ["empty"])
+    mode = sys.argv[3:]
+    run(sys.argv[1], int(sys.argv[2]), empty_first_batch_on_rank1=mode == ["empty"], ibot=mode == ["ibot"])

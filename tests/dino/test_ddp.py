@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import socket
 import subprocess
@@ -40,6 +41,19 @@ def test_ddp_rank_with_unreadable_batch_does_not_hang(tmp_path):
     assert [r["skipped_batches"] for r in ranks] == [1, 1]
     for key, value in ranks[0]["student"].items():
         torch.testing.assert_close(ranks[1]["student"][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_ddp_with_ibot_trains_in_step_on_both_ranks(tmp_path):
+    """iBOT's patch term under DDP: each rank masks its own crops, Sinkhorn-Knopp all-reduces over the masked
+    patches of both; the ranks finish together with identical weights, the mask token trained."""
+    _torchrun(tmp_path, "ibot", timeout=180)
+    ranks = [torch.load(tmp_path / f"rank{r}_of2.pt", weights_only=True) for r in range(2)]
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    assert all(math.isfinite(loss) for r in ranks for loss in r["losses"])
+    for key, value in ranks[0]["student"].items():
+        torch.testing.assert_close(ranks[1]["student"][key], value, rtol=0, atol=0)
+    assert ranks[0]["student"]["backbone.mask_token"].abs().sum() > 0  # zeros at start
 
 
 @pytest.mark.distributed
