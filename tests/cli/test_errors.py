@@ -68,6 +68,20 @@ def test_fit_bad_data_root_and_backbone(tmp_path, image_folder, capsys):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # no empty run left
 
 
+def test_ibot_on_a_family_without_masking_is_one_line(tmp_path, image_folder, capsys):
+    args = tiny_config(tmp_path, image_folder)
+    argv = [
+        "fit",
+        *args,
+        "--model.init_args.backbone=bixt_ti_l64_p16",
+        "--model.init_args.backbone_kwargs={depth: 2}",  # BiXT's smallest depth
+        "--model.init_args.ibot_loss_weight=1.0",
+    ]
+    err = _fails(argv, capsys)
+    assert "bixt backbones (bixt_ti_l64_p16) cannot take iBOT's patch masks" in err
+    assert "masking works with the xcit, vit, cait families (or set ibot_loss_weight: 0)" in err
+
+
 @pytest.mark.parametrize(
     "argv, expected",
     [
