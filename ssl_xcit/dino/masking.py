@@ -90,6 +90,15 @@ class BlockMaskGenerator:
         return mask
 
 
+def check_mask_settings(ratio_range: tuple[float, float], mask_probability: float) -> None:
+    """A UserError naming the value when the masked-fraction range or the masked share is out of bounds."""
+    low, high = ratio_range
+    if not 0 <= low <= high <= 1:
+        raise UserError(f"mask ratio range must satisfy 0 <= low <= high <= 1, got {ratio_range}")
+    if not 0 <= mask_probability <= 1:
+        raise UserError(f"mask_probability must be in [0, 1], got {mask_probability}")
+
+
 def sample_masks(
     n_images: int,
     grid: tuple[int, int],
@@ -103,11 +112,8 @@ def sample_masks(
     ``int(n_images * mask_probability)`` images are masked, at stratified uniform fractions of
     ``ratio_range``; which images they are is a random permutation.
     """
+    check_mask_settings(ratio_range, mask_probability)
     low, high = ratio_range
-    if not 0 <= low <= high <= 1:
-        raise UserError(f"mask ratio range must satisfy 0 <= low <= high <= 1, got {ratio_range}")
-    if not 0 <= mask_probability <= 1:
-        raise UserError(f"mask_probability must be in [0, 1], got {mask_probability}")
     generator = generator or BlockMaskGenerator(grid)
     n_patches = generator.num_patches
     n_masked_images = int(n_images * mask_probability)

@@ -36,7 +36,7 @@ from ssl_xcit.dino.head import DINOHead
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.loss import DINOLoss
-from ssl_xcit.dino.masking import BlockMaskGenerator, sample_masks
+from ssl_xcit.dino.masking import BlockMaskGenerator, check_mask_settings, sample_masks
 from ssl_xcit.dino.multicrop import MultiCropWrapper, buffers_preserved, crops_from_batch
 from ssl_xcit.dino.optim import (
     build_optimizer,
@@ -224,8 +224,7 @@ class DINO(LightningModule):
                 center_momentum=center_momentum,
                 centering=centering,
             )
-            # Validates the ratio range and probability now rather than at the first step.
-            sample_masks(2, (2, 2), np.random.default_rng(0), mask_ratio_min_max, mask_probability)
+            check_mask_settings(tuple(mask_ratio_min_max), mask_probability)  # now, not at the first step
         self.ibot_out_dim = ibot_out_dim
         self._mask_generators: dict[tuple[int, int], BlockMaskGenerator] = {}
         self.last_patch_collapse_signals: tuple[float, float] | None = None
