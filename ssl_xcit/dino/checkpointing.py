@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import io
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -92,3 +94,18 @@ def dino_checkpoints(
         save_on_train_epoch_end=True,
     )
     return [last, keep]
+
+
+def last_checkpoint(trainer: Trainer) -> str | None:
+    """The newest checkpoint file of this run (its checkpoint callbacks' last and best, or the one it
+    resumed from), or None."""
+    candidates = []
+    for cb in trainer.checkpoint_callbacks:
+        for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
+            if path and Path(path).is_file():
+                candidates.append(Path(path))
+    if trainer.ckpt_path and Path(trainer.ckpt_path).is_file():
+        candidates.append(Path(trainer.ckpt_path))
+    if not candidates:
+        return None
+    return str(max(candidates, key=lambda p: p.stat().st_mtime))

@@ -9,7 +9,10 @@ DINO has two failure modes that its loss hides (the loss of a collapsed run is f
 
 A healthy teacher is confident per sample (entropy well below ln K) and spread over the batch (KL well below
 ln K). The guard watches both signals of every training step and reports a mode only once it has held for
-``patience`` consecutive steps after ``grace_steps`` (a random-init teacher starts near uniform).
+``patience`` consecutive steps after ``grace_steps`` (a random-init teacher starts near uniform). The signals
+stay on the device; the guard reads the steps gathered so far every ``read_every`` batches (DINO's
+``sync_every_n_steps``) and at each epoch's end, so a collapse is reported (and a run stopped) up to that many
+steps late, with the step where it reached its patience.
 
 With iBOT's masked patch term on, the patch targets are watched the same way, as a second term (``ibot``): its
 teacher can collapse on its own while the CLS term stays healthy.
@@ -51,16 +54,14 @@ def collapse_mode(
     return None
 
 
-def _gather_signals(trainer: Trainer, signals: list[float]) -> list[list[float]]:
-    """Every rank's flat list of signals, in rank order (one small all-gather under DDP)."""
-    if trainer.world_size == 1:
-        return [[float(v) for v in signals]]
-    local = torch.tensor([float(v) for v in signals], dtype=torch.float64)
-    gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device))
-    return gathered.reshape(-1, len(signals)).cpu().tolist()
+def _gather_rows(trainer: Trainer, rows: torch.Tensor) -> list[list[list[float]]]:
+    """Every rank's (steps, signals) rows, in rank order: one all-gather and one host read."""
+    if trainer.world_size > 1:
+        rows = trainer.strategy.all_gather(rows)
+    return rows.reshape(-1, *rows.shape[-2:]).cpu().tolist()
 
 
-def _terms(pl_module: LightningModule) -> list[tuple[str, tuple[float, float], int]]:
+def _terms(pl_module: LightningModule) -> list[tuple[str, tuple[Any, Any], int]]:
     """``(name, (entropy, KL), K)`` of each watched term: DINO's, and iBOT's patch term when it runs."""
     terms = []
     signals = getattr(pl_module, "last_collapse_signals", None)
@@ -98,36 +99,63 @@ class CollapseGuard(Callback):
         self.events: list[dict[str, Any]] = []
         self._run: dict[str, int] = {}
         self._reported: set[str] = set()
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (global step, signals on the device)
+        self._held: dict[str, torch.Tensor] = {}
+
+    read_every = 1  # DINO sets its sync_every_n_steps
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         terms = _terms(pl_module)
         if self.action == "off" or not terms or trainer.global_step < self.grace_steps:
             return
+        # The signals stay on the device (stacking them queues a kernel); the host reads the steps gathered
+        # so far every `read_every` batches, so the GPU queue is not drained after every step.
+        flat = [torch.as_tensor(v, dtype=torch.float32) for _, signals, _ in terms for v in signals]
+        self._pending.append((trainer.global_step, torch.stack([v.to(flat[0].device) for v in flat])))
+        if len(self._pending) >= self.read_every:
+            self._read(trainer, pl_module, terms)
+        for key, flag in self._held.items():
+            pl_module.log(f"collapse/{key}", flag, on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        terms = _terms(pl_module)
+        if self._pending and terms:
+            self._read(trainer, pl_module, terms)
+
+    def _read(self, trainer: Trainer, pl_module: LightningModule, terms: list) -> None:
         # Every rank sees every rank's signals and takes the same decision: a rank that stopped alone would
         # leave the others waiting in the next collective, and a collapse seen only on rank 3 must still be
-        # reported (by rank 0). A mode holds when any rank shows it.
-        flat = [v for _, signals, _ in terms for v in signals]
-        per_rank = _gather_signals(trainer, flat)
-        for t, (term, _, out_dim) in enumerate(terms):
-            signals = [(row[2 * t], row[2 * t + 1]) for row in per_rank]
-            modes = [collapse_mode(entropy, kl, out_dim) for entropy, kl in signals]
-            prefix = "" if term == "dino" else f"{term}_"
-            for name in ("uniform", "one_prototype"):
-                key = prefix + name
-                held = name in modes
-                self._run[key] = self._run.get(key, 0) + 1 if held else 0
-                pl_module.log(f"collapse/{key}", float(held), on_step=True, on_epoch=False)
-            due = [
-                m
-                for m in ("uniform", "one_prototype")
-                if self._run[prefix + m] >= self.patience and m in modes and prefix + m not in self._reported
-            ]
-            if due:
-                self._report(trainer, term, due[0], modes, signals, out_dim)
+        # reported (by rank 0). A mode holds when any rank shows it. Every rank reads at the same batch.
+        steps = [step for step, _ in self._pending]
+        per_rank = _gather_rows(trainer, torch.stack([row for _, row in self._pending]))
+        self._pending = []
+        held: dict[str, float] = {}
+        for i, step in enumerate(steps):
+            for t, (term, _, out_dim) in enumerate(terms):
+                signals = [(rows[i][2 * t], rows[i][2 * t + 1]) for rows in per_rank]
+                modes = [collapse_mode(entropy, kl, out_dim) for entropy, kl in signals]
+                prefix = "" if term == "dino" else f"{term}_"
+                for name in ("uniform", "one_prototype"):
+                    key = prefix + name
+                    self._run[key] = self._run.get(key, 0) + 1 if name in modes else 0
+                    held[key] = float(name in modes)
+                due = [
+                    m
+                    for m in ("uniform", "one_prototype")
+                    if self._run[prefix + m] >= self.patience
+                    and m in modes
+                    and prefix + m not in self._reported
+                ]
+                if due:
+                    self._report(trainer, step, term, due[0], modes, signals, out_dim)
+        # Logged every batch until the next read: one small copy now, none per step.
+        values = torch.tensor(list(held.values()), dtype=torch.float32).to(pl_module.device)
+        self._held = dict(zip(held, values.unbind(), strict=True))
 
     def _report(
         self,
         trainer: Trainer,
+        step: int,
         term: str,
         mode: str,
         modes: list[str | None],
@@ -139,7 +167,7 @@ class CollapseGuard(Callback):
         self._reported.add(mode if term == "dino" else f"{term}_{mode}")
         event: dict[str, Any] = {
             "mode": mode,
-            "step": trainer.global_step,
+            "step": step,
             "entropy": entropy,
             "kl_to_uniform": kl,
         }
@@ -155,7 +183,7 @@ class CollapseGuard(Callback):
         what = "DINO teacher" if term == "dino" else "iBOT patch teacher"
         message = (
             f"{what} collapse ({mode.replace('_', ' ')}) for {self.patience} steps at step "
-            f"{trainer.global_step}{where}: teacher entropy {entropy:.3f} (ln K = {math.log(out_dim):.3f}), "
+            f"{step}{where}: teacher entropy {entropy:.3f} (ln K = {math.log(out_dim):.3f}), "
             f"KL to uniform {kl:.4f}. Try {REMEDIES[mode]}."
         )
         if self.action == "stop":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ssl_xcit.dino.ibot import MaskedPatches
 from ssl_xcit.dino.loss import DINOLossOutput, TeacherTargets
 
 
@@ -31,25 +32,26 @@ class iBOTPatchLoss(TeacherTargets):  # noqa: N801 (the method's name)
         self,
         student_patch_logits: torch.Tensor,
         teacher_patch_logits: torch.Tensor,
-        masks: torch.Tensor,
+        masks: MaskedPatches | torch.Tensor,
         epoch: int,
         update_center: bool = True,
     ) -> DINOLossOutput:
         """``student_patch_logits`` and ``teacher_patch_logits``: (M, K) at the M masked patches, in the row
-        order of ``masks[masks]``; ``masks``: (n_images, N) bool over the student's global crops."""
-        n_masked = int(masks.sum())
-        if student_patch_logits.shape[0] != n_masked or teacher_patch_logits.shape[0] != n_masked:
+        order of ``masks[masks]``; ``masks``: the batch's :class:`~ssl_xcit.dino.ibot.MaskedPatches`, or a CPU
+        (n_images, N) bool tensor over the student's global crops. The count and the weights come from the
+        host: nothing here waits on the device."""
+        if isinstance(masks, torch.Tensor):
+            masks = MaskedPatches.from_host(masks.numpy(), student_patch_logits.device)
+        if student_patch_logits.shape[0] != masks.count or teacher_patch_logits.shape[0] != masks.count:
             raise ValueError(
                 f"iBOT got {student_patch_logits.shape[0]} student and {teacher_patch_logits.shape[0]} teacher "
-                f"patch outputs for {n_masked} masked patches"
+                f"patch outputs for {masks.count} masked patches"
             )
         student = student_patch_logits.float()
         teacher = teacher_patch_logits.float()
         targets = self.targets(teacher, epoch)
         per_patch = torch.sum(-targets * F.log_softmax(student / self.student_temp, dim=-1), dim=-1)
-        # 1 / (masked patches of its image) for each masked patch, in masks[masks] order.
-        weights = (1.0 / masks.sum(-1).clamp(min=1).float()).unsqueeze(-1).expand_as(masks)[masks]
-        loss = (per_patch * weights).sum() / max(masks.shape[0], 1)
+        loss = (per_patch * masks.weights).sum() / max(masks.n_images, 1)
         entropy, kl = self.collapse_signals(targets)
         if update_center and self.centering == "ema":
             self.update_center(teacher)

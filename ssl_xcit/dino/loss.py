@@ -77,7 +77,7 @@ class TeacherTargets(nn.Module):
         """The teacher's (detached) target distributions for logits (N, K): centred and sharpened."""
         temp = self.teacher_temp_at(epoch)
         if self.centering == "sinkhorn_knopp":
-            return sinkhorn_knopp(teacher_output.detach() / temp, self.sinkhorn_iterations)
+            return sinkhorn_knopp(teacher_output.detach() / temp, self.sinkhorn_iterations, inplace=True)
         return F.softmax((teacher_output - self.center) / temp, dim=-1).detach()
 
     @torch.no_grad()
@@ -160,7 +160,9 @@ def ema_center_(center: torch.Tensor, teacher_output: torch.Tensor, momentum: fl
     """``center`` <- momentum * center + (1 - momentum) * mean row of ``teacher_output`` over all processes.
     A process with no rows still takes part in the all-reduce (it adds nothing)."""
     batch_center = teacher_output.float().sum(dim=0, keepdim=True)
-    count = torch.tensor([float(teacher_output.shape[0])], device=teacher_output.device)
+    # torch.full, not torch.tensor([...], device=...): a fill kernel is queued, a host-to-device copy of a
+    # Python list waits for the GPU queue to drain.
+    count = torch.full((1,), float(teacher_output.shape[0]), device=teacher_output.device)
     if _dist_ready():
         # Sum the counts too, so ranks with unequal last batches still give the exact global mean.
         dist.all_reduce(batch_center)
@@ -171,33 +173,40 @@ def ema_center_(center: torch.Tensor, teacher_output: torch.Tensor, momentum: fl
 
 
 @torch.no_grad()
-def sinkhorn_knopp(scores: torch.Tensor, iterations: int = 3) -> torch.Tensor:
+def sinkhorn_knopp(scores: torch.Tensor, iterations: int = 3, inplace: bool = False) -> torch.Tensor:
     """Targets (B, K) from teacher scores (B, K) = logits / temperature, by Sinkhorn-Knopp on exp(scores).
 
     Alternately scales prototypes to an equal share 1/K of the (global) batch and samples to an equal share
-    1/B, ending on samples, so each row is a distribution over the K prototypes. Under DDP the prototype sums
-    and the batch size are all-reduced, so the equipartition holds over the global batch.
+    1/B, ending on samples, so each row is a distribution over the K prototypes. Under DDP the prototype
+    maxima and sums and the batch size are all-reduced, so the equipartition holds over the global batch.
+    ``inplace`` reuses a float32 ``scores`` as the work buffer (the caller's temporary).
+
+    Memory: one float32 (B, K) buffer, worked in place; float64 only for the (K,) and (B,) sums. At DINOv2's
+    masked patches (~3.7k x 65,536) that is ~1 GB where a float64 copy of each intermediate took several
+    (``benchmarks/bench_sinkhorn.py``).
     """
-    # float64: exp() of a logit spread of 2 / 0.01 (normalised features, a sharp teacher) would underflow fp32.
-    out_dtype = scores.dtype
-    scores = scores.double()
-    # A process with no rows (no masked patch) still joins every all-reduce, with neutral values.
-    peak = scores.max().reshape(1) if scores.numel() else scores.new_full((1,), -torch.inf)
+    out_dtype = scores.dtype if scores.dtype.is_floating_point else torch.float32
+    q = scores if inplace and scores.dtype == torch.float32 else scores.to(torch.float32, copy=True)
+    b, k = q.shape
+    # Each prototype's maximum over the global batch is subtracted before exp(). Scaling a prototype is
+    # undone exactly by its first normalisation, so this changes no target, and every prototype keeps an
+    # entry of 1: with one global maximum, a prototype far below it (a spread of 2 / 0.01 on cosine logits)
+    # would underflow float32 to an all-zero row. A process with no rows joins with neutral values.
+    peak = q.amax(dim=0) if b else q.new_full((k,), -torch.inf)
     if _dist_ready():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    # Subtracting one global constant changes nothing after normalisation and keeps exp() finite.
-    q = torch.exp(scores - peak).t()  # (K, B)
-    k = q.shape[0]
-    batch = torch.tensor([float(q.shape[1])], device=q.device, dtype=q.dtype)
-    total = q.sum().reshape(1)
+    q.sub_(peak.clamp_min(torch.finfo(q.dtype).min)).exp_()
+    batch = torch.full((1,), float(b), device=q.device, dtype=torch.float64)
     if _dist_ready():
         dist.all_reduce(batch)
-        dist.all_reduce(total)
-    q /= total
+    tiny = torch.finfo(torch.float64).tiny
     for _ in range(iterations):
-        per_prototype = q.sum(dim=1, keepdim=True)
+        per_prototype = q.sum(dim=0, dtype=torch.float64)  # (K,)
         if _dist_ready():
             dist.all_reduce(per_prototype)
-        q /= per_prototype.clamp_min(torch.finfo(q.dtype).tiny) * k
-        q /= q.sum(dim=0, keepdim=True) * batch
-    return (q * batch).t().to(out_dtype if out_dtype.is_floating_point else torch.float32)
+        q.div_((per_prototype.clamp_min(tiny) * k).to(q.dtype))
+        per_sample = q.sum(dim=1, keepdim=True, dtype=torch.float64)  # (B, 1)
+        # The old global normalisation by the total is skipped: the prototype step rescales every row anyway.
+        q.div_((per_sample.clamp_min(tiny) * batch).to(q.dtype))
+    q.mul_(batch.to(q.dtype))
+    return q if out_dtype == torch.float32 else q.to(out_dtype)

@@ -99,18 +99,19 @@ def check_mask_settings(ratio_range: tuple[float, float], mask_probability: floa
         raise UserError(f"mask_probability must be in [0, 1], got {mask_probability}")
 
 
-def sample_masks(
+def draw_masks(
     n_images: int,
     grid: tuple[int, int],
     rng: np.random.Generator,
     ratio_range: tuple[float, float] = (0.1, 0.5),
     mask_probability: float = 0.5,
     generator: BlockMaskGenerator | None = None,
-) -> torch.Tensor:
+) -> np.ndarray:
     """Masks ``(n_images, h * w)`` (bool, True = masked) for a batch of crops, DINOv2's way (module docstring).
 
     ``int(n_images * mask_probability)`` images are masked, at stratified uniform fractions of
-    ``ratio_range``; which images they are is a random permutation.
+    ``ratio_range``; which images they are is a random permutation. A numpy array: everything the step needs
+    from the masks (indices, counts, weights) is computed from it on the host, never read back from a device.
     """
     check_mask_settings(ratio_range, mask_probability)
     low, high = ratio_range
@@ -122,5 +123,16 @@ def sample_masks(
     for i in range(n_masked_images):
         fraction = rng.uniform(edges[i], edges[i + 1])
         masks[i] = generator(int(n_patches * fraction), rng).reshape(-1)
-    masks = masks[rng.permutation(n_images)]
-    return torch.from_numpy(masks)
+    return masks[rng.permutation(n_images)]
+
+
+def sample_masks(
+    n_images: int,
+    grid: tuple[int, int],
+    rng: np.random.Generator,
+    ratio_range: tuple[float, float] = (0.1, 0.5),
+    mask_probability: float = 0.5,
+    generator: BlockMaskGenerator | None = None,
+) -> torch.Tensor:
+    """:func:`draw_masks` as a CPU bool tensor."""
+    return torch.from_numpy(draw_masks(n_images, grid, rng, ratio_range, mask_probability, generator))

@@ -7,8 +7,10 @@ One training step, top to bottom (``main_dino.py:train_one_epoch``):
    by resolution (one backbone pass per crop size), DINO loss (+ centre update), plus ``koleo_weight`` x
    DINOv2's KoLeo term on the student's global-crop embeddings when that weight is > 0, plus
    ``ibot_loss_weight`` x iBOT's masked patch term when that weight is > 0 (half of the student's global
-   crops get block masks; the teacher sees them unmasked; ``ssl_xcit.dino.ibot_loss``);
-3. stop with a clear error on a NaN/Inf loss;
+   crops get block masks; the teacher sees them unmasked; ``ssl_xcit.dino.ibot``). ``compute_losses`` is
+   this step's math, shared with ``validation_step``;
+3. record on the device whether the loss is finite (read every ``sync_every_n_steps`` steps:
+   ``ssl_xcit.dino.step_checks``);
 4. backward; per-parameter gradient clipping; last-layer gradients dropped while epoch < freeze_last_layer;
    optimiser step;
 5. EMA of the student's parameters into the teacher with the per-iteration momentum.
@@ -22,35 +24,31 @@ fp16 grad scaler has unscaled the gradients, so the clip threshold is in true gr
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.data.datasets import EmptyBatch
-from ssl_xcit.dino.head import DINOHead
+from ssl_xcit.dino.checkpointing import last_checkpoint
+from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
-from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.loss import DINOLoss
-from ssl_xcit.dino.masking import BlockMaskGenerator, check_mask_settings, sample_masks
-from ssl_xcit.dino.multicrop import MultiCropWrapper, buffers_preserved, crops_from_batch
+from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
 from ssl_xcit.dino.optim import (
     build_optimizer,
     cancel_gradients_last_layer,
     clip_gradients,
     get_params_groups,
 )
-from ssl_xcit.dino.schedules import cosine_schedule, scaled_lr
+from ssl_xcit.dino.schedules import Schedules, configured_batch_size, dino_schedules
+from ssl_xcit.dino.step import NUM_GLOBAL_CROPS, StepLosses, compute_losses, log_host_scalars, log_losses
+from ssl_xcit.dino.step_checks import FiniteWatch, HostAgreement
 from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
 from ssl_xcit.errors import TrainingDiverged, UserError
 from ssl_xcit.models import create_model
 from ssl_xcit.utils.rng import capture_rng_states, restore_rng_states
-
-NUM_GLOBAL_CROPS = 2
 
 
 class DINO(LightningModule):
@@ -105,6 +103,10 @@ class DINO(LightningModule):
             teacher temperature schedule (None: the DINO term's value, as in DINOv2).
         mask_ratio_min_max: masked fraction of a masked global crop, uniform in this range (DINOv2: 0.1-0.5).
         mask_probability: share of the global crops that are masked (DINOv2: 0.5).
+        sync_every_n_steps: steps between the host's reads of the device (the finite-loss check, the
+            collapse guard's signals), as Lightning's ``log_every_n_steps`` (50) reads the logged values. Each
+            read waits for the GPU queue to drain; a non-finite loss is then reported (and a collapse seen) up
+            to this many steps late, but never saved: a checkpoint is written only after a read.
     """
 
     def __init__(
@@ -149,10 +151,13 @@ class DINO(LightningModule):
         ibot_warmup_teacher_temp_epochs: int | None = None,
         mask_ratio_min_max: tuple[float, float] = (0.1, 0.5),
         mask_probability: float = 0.5,
+        sync_every_n_steps: int = 50,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
+        if sync_every_n_steps < 1:
+            raise UserError(f"sync_every_n_steps must be >= 1, got {sync_every_n_steps}")
         if accumulate_grad_batches < 1:
             raise UserError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         if teacher_temp <= 0 or warmup_teacher_temp <= 0 or student_temp <= 0:
@@ -168,38 +173,23 @@ class DINO(LightningModule):
                 "drop ibot_out_dim or set ibot_separate_head: true"
             )
 
-        kwargs = dict(backbone_kwargs or {})
-        student_backbone = create_model(backbone, drop_path_rate=drop_path_rate, **kwargs)
-        teacher_backbone = create_model(backbone, drop_path_rate=0.0, **kwargs)
-        embed_dim = student_backbone.embed_dim
-        head_args = dict(
-            in_dim=embed_dim,
-            out_dim=out_dim,
-            use_bn=use_bn_in_head,
-            nlayers=head_nlayers,
-            hidden_dim=head_hidden_dim,
-            bottleneck_dim=head_bottleneck_dim,
-        )
         self.ibot = ibot_loss_weight > 0
-        patch_heads: list[DINOHead | None] = [None, None]
-        if self.ibot:
-            # Both backbones get a mask token and (unless shared) a patch head, so that the teacher mirrors
-            # the student parameter for parameter (EMA, state dicts); the teacher never uses its token.
-            student_backbone.enable_masking()
-            teacher_backbone.enable_masking()
-            if ibot_separate_head:
-                patch_args = dict(head_args, out_dim=ibot_out_dim)
-                patch_heads = [DINOHead(norm_last_layer=norm_last_layer, **patch_args) for _ in range(2)]
-        self.student = MultiCropWrapper(
-            student_backbone, DINOHead(norm_last_layer=norm_last_layer, **head_args), patch_heads[0]
+        self.student, self.teacher = student_and_teacher(
+            create_model,
+            backbone,
+            dict(backbone_kwargs or {}),
+            drop_path_rate,
+            dict(
+                out_dim=out_dim,
+                use_bn=use_bn_in_head,
+                nlayers=head_nlayers,
+                hidden_dim=head_hidden_dim,
+                bottleneck_dim=head_bottleneck_dim,
+                norm_last_layer=norm_last_layer,
+            ),
+            patch_out_dim=(ibot_out_dim if ibot_separate_head else None) if self.ibot else None,
+            masking=self.ibot,
         )
-        self.teacher = MultiCropWrapper(
-            teacher_backbone, DINOHead(norm_last_layer=norm_last_layer, **head_args), patch_heads[1]
-        )
-        # Teacher starts as an exact copy of the student (parameters and buffers) and never gets gradients.
-        self.teacher.load_state_dict(self.student.state_dict())
-        for p in self.teacher.parameters():
-            p.requires_grad = False
         self.dino_loss = DINOLoss(
             out_dim,
             warmup_teacher_temp=warmup_teacher_temp,
@@ -224,16 +214,17 @@ class DINO(LightningModule):
                 center_momentum=center_momentum,
                 centering=centering,
             )
-            check_mask_settings(tuple(mask_ratio_min_max), mask_probability)  # now, not at the first step
+        self.mask_sampler = MaskSampler(tuple(mask_ratio_min_max), mask_probability) if self.ibot else None
         self.ibot_out_dim = ibot_out_dim
-        self._mask_generators: dict[tuple[int, int], BlockMaskGenerator] = {}
-        self.last_patch_collapse_signals: tuple[float, float] | None = None
-        self.lr_schedule: np.ndarray | None = None
-        self.wd_schedule: np.ndarray | None = None
-        self.momentum_schedule: np.ndarray | None = None
-        self._iters_per_epoch = 0
+        self.schedules: Schedules | None = None
         self.skipped_batches = 0  # batches skipped because a rank had no readable image
-        self.last_collapse_signals: tuple[float, float] | None = None  # (teacher entropy, KL to uniform)
+        # (teacher entropy, KL to uniform) of the last step, device tensors: the collapse guard reads them
+        # every sync_every_n_steps steps.
+        self.last_collapse_signals: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.last_patch_collapse_signals: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._finite = FiniteWatch()
+        self._agree = HostAgreement()
+        self._steps_since_read = 0
         self._compiled = False
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
 
@@ -252,14 +243,16 @@ class DINO(LightningModule):
 
     def on_train_start(self) -> None:
         self._set_training_modes()
-        if self.lr_schedule is None:
-            self._build_schedules(self._configured_batch_size())
+        self._build_schedules()
 
     def on_train_epoch_start(self) -> None:
         # Callbacks (online k-NN, anything a user adds) may have switched modes at the previous epoch's end.
         self._set_training_modes()
         # A partial accumulation window must never leak into this epoch's first step.
         self.optimizers().zero_grad(set_to_none=True)
+
+    def on_train_epoch_end(self) -> None:
+        self._read_finite()
 
     def on_validation_model_train(self) -> None:
         super().on_validation_model_train()
@@ -273,9 +266,8 @@ class DINO(LightningModule):
             self.student = convert_sync_batchnorm(self.student, device_type)
             self.teacher = convert_sync_batchnorm(self.teacher, device_type)
         if self.hparams.compile and not self._compiled:
-            # In-place compile keeps parameter names (no `_orig_mod.`), so checkpoints stay portable.
-            self.student.backbone.compile()
-            self.teacher.backbone.compile()
+            self.student.compile_backbone()
+            self.teacher.compile_backbone()
             self._compiled = True
 
     def setup(self, stage: str) -> None:
@@ -292,67 +284,27 @@ class DINO(LightningModule):
         from ssl_xcit.dino.collapse import CollapseGuard
 
         hp = self.hparams
-        return [CollapseGuard(hp.collapse_guard, hp.collapse_patience, hp.collapse_grace_steps)]
+        guard = CollapseGuard(hp.collapse_guard, hp.collapse_patience, hp.collapse_grace_steps)
+        guard.read_every = hp.sync_every_n_steps
+        return [guard]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return build_optimizer(self.hparams.optimizer, get_params_groups(self.student))
 
-    # ------------------------------------------------------------------------------------------ schedules
-    def _configured_batch_size(self) -> int:
-        """The training loader's configured per-device batch size. The schedules are sized from it, never
-        from an actual batch: skipped unreadable images shrink a batch, which would lower the peak lr for the
-        whole run and, under DDP, give the ranks different schedules."""
-        loader = self.trainer.train_dataloader
-        loader = getattr(loader, "iterables", loader)  # Lightning's CombinedLoader
-        if isinstance(loader, dict):
-            loader = next(iter(loader.values()))
-        elif isinstance(loader, (list, tuple)):
-            loader = loader[0]
-        size = getattr(loader, "batch_size", None)
-        if size is None:
-            size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-        if not size:
-            raise UserError(
-                f"DINO sizes its lr schedule from the loader's batch_size, but {type(loader).__name__} has none; "
-                "use a DataLoader with batch_size set"
-            )
-        return int(size)
-
-    def _build_schedules(self, per_device_batch: int) -> None:
-        hp, trainer = self.hparams, self.trainer
-        epochs = trainer.max_epochs
-        if epochs is None or epochs < 1:
-            raise UserError(
-                f"DINO's cosine schedules need a finite trainer.max_epochs, got {epochs}; set --trainer.max_epochs"
-            )
-        batches = trainer.num_training_batches
-        if not math.isfinite(batches) or batches < 1:
-            raise UserError(f"DINO needs a sized training dataloader, got {batches} batches per epoch")
-        if batches < hp.accumulate_grad_batches:
-            raise UserError(
-                f"accumulate_grad_batches={hp.accumulate_grad_batches} is more than the {int(batches)} training "
-                f"batches per epoch, so no optimiser step would ever run; use accumulate_grad_batches <= "
-                f"{int(batches)}, or a smaller batch_size"
-            )
-        iters = int(batches) // hp.accumulate_grad_batches
-        self._iters_per_epoch = iters
-        if hp.warmup_epochs > epochs:
-            raise UserError(f"warmup_epochs={hp.warmup_epochs} is longer than trainer.max_epochs={epochs}")
-        total_batch = per_device_batch * trainer.world_size * hp.accumulate_grad_batches
-        peak_lr = scaled_lr(hp.lr, total_batch) if hp.scale_lr_with_batch else hp.lr
-        self.lr_schedule = cosine_schedule(peak_lr, hp.min_lr, epochs, iters, warmup_epochs=hp.warmup_epochs)
-        self.wd_schedule = cosine_schedule(hp.weight_decay, hp.weight_decay_end, epochs, iters)
-        self.momentum_schedule = cosine_schedule(hp.momentum_teacher, 1.0, epochs, iters)
+    def _build_schedules(self) -> None:
+        if self.schedules is not None:
+            return
+        trainer, hp = self.trainer, self.hparams
+        per_device = configured_batch_size(trainer.train_dataloader)
+        s = self.schedules = dino_schedules(
+            hp, trainer.max_epochs, trainer.num_training_batches, per_device, trainer.world_size
+        )
+        epochs, iters = trainer.max_epochs, s.iters_per_epoch
         rank_zero_info(
             f"DINO schedules: {epochs} epoch{'s' * (epochs != 1)} x {iters} step{'s' * (iters != 1)}, "
-            f"total batch {total_batch} "
-            f"({per_device_batch}/device x {trainer.world_size} x {hp.accumulate_grad_batches} accumulated), "
-            f"peak lr {peak_lr:.3g}"
+            f"total batch {s.total_batch} ({per_device}/device x {trainer.world_size} x "
+            f"{hp.accumulate_grad_batches} accumulated), peak lr {s.peak_lr:.3g}"
         )
-
-    def _at(self, schedule: np.ndarray) -> float:
-        # A run extended past its planned length keeps the final values.
-        return float(schedule[min(self.global_step, len(schedule) - 1)])
 
     # ------------------------------------------------------------------------------------------- training
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -360,113 +312,72 @@ class DINO(LightningModule):
         embedding is independent of the rest of its batch."""
         return self.teacher.backbone(x)
 
+    def draw_masks(self, global_crop: torch.Tensor, seed: list[int]) -> MaskedPatches:
+        """iBOT's block masks for the 2 x B global crops of ``global_crop``'s shape and device, drawn on the
+        host from ``seed``."""
+        grid = self.student.backbone.token_grid(*global_crop.shape[-2:])
+        masks = self.mask_sampler(grid, NUM_GLOBAL_CROPS * global_crop.shape[0], seed)
+        return MaskedPatches.from_host(masks, global_crop.device)
+
+    def compute_losses(
+        self, crops: list[torch.Tensor], masks: MaskedPatches | None, epoch: int, update_center: bool
+    ) -> StepLosses:
+        """This step's math (``ssl_xcit.dino.step.compute_losses``), shared by training and validation."""
+        return compute_losses(self, crops, masks, epoch, update_center)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        if self.lr_schedule is None:
-            self._build_schedules(self._configured_batch_size())
+        self._build_schedules()
         accumulate = self.hparams.accumulate_grad_batches
         # The micro-batches after the last full accumulation window cannot make a step; they are dropped,
         # as the schedules (sized on whole windows) assume. Every rank has the same batch count.
-        if batch_idx >= self._iters_per_epoch * accumulate:
+        if batch_idx >= self.schedules.iters_per_epoch * accumulate:
             return None
         window_end = (batch_idx + 1) % accumulate == 0
         opt = self.optimizers()
-        lr, wd, momentum = (
-            self._at(self.lr_schedule),
-            self._at(self.wd_schedule),
-            self._at(self.momentum_schedule),
-        )
-        # Every image of this rank's batch was unreadable (EmptyBatch, or None). All ranks agree to skip
-        # the batch together, so none waits in a collective (the finite check, the centre all-reduce, DDP's
-        # gradient reduction, synced BN) that another rank never enters.
-        empty = batch is None or isinstance(batch, EmptyBatch)
-        if self.trainer.strategy.reduce_boolean_decision(empty, all=False):
+        lr, wd, momentum = self.schedules.at(self.global_step)
+        crops = self._readable_crops(batch, NUM_GLOBAL_CROPS)
+        if crops is None:  # every rank skips this batch
             self.skipped_batches += 1
             if window_end:
                 self._optimizer_step(opt, momentum)
+            log_host_scalars(self, lr, wd, momentum)
             return None
-        crops = crops_from_batch(batch)
-        if len(crops) < NUM_GLOBAL_CROPS:
-            raise UserError(
-                f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
-            )
         for i, group in enumerate(opt.param_groups):
             group["lr"] = lr
             if i == 0:  # only the regularised group
                 group["weight_decay"] = wd
-
-        batch_size = crops[0].shape[0]
-        if self.ibot:
-            masks = self._sample_masks(crops[0], batch_idx)
-            with torch.no_grad():
-                teacher_output, _, teacher_patches = self.teacher.forward_with_patches(
-                    crops[:NUM_GLOBAL_CROPS]
-                )
-                teacher_patch_logits = self.teacher.patch_logits(teacher_patches[masks])
-            student_output, student_embedding, student_patches = self.student.forward_with_patches(
-                crops, masks
-            )
-            student_patch_logits = self.student.patch_logits(student_patches[masks])
-        else:
-            with torch.no_grad():
-                teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
-            student_output, student_embedding = self.student(crops, return_embeddings=True)
-        out = self.dino_loss(student_output, teacher_output, self.current_epoch)
-        loss = out.loss
-        if self.hparams.koleo_weight > 0:
-            # Per global crop and per rank, as in DINOv2: each view's local batch is spread on its own. A rank
-            # left with one readable image has no neighbour to push from: its term is 0 (no collective is
-            # involved, so the other ranks are unaffected and nobody waits).
-            globals_ = student_embedding[: NUM_GLOBAL_CROPS * batch_size].chunk(NUM_GLOBAL_CROPS)
-            if batch_size >= 2:
-                koleo = sum(koleo_loss(view) for view in globals_)
-            else:
-                koleo = student_embedding.new_zeros((), dtype=torch.float32)
-            loss = loss + self.hparams.koleo_weight * koleo
-            self.log("train/koleo", koleo.detach(), on_step=True, on_epoch=False, batch_size=batch_size)
-        if self.ibot:
-            patch = self.ibot_loss(student_patch_logits, teacher_patch_logits, masks, self.current_epoch)
-            loss = loss + self.hparams.ibot_loss_weight * patch.loss
-            self.last_patch_collapse_signals = (float(patch.teacher_entropy), float(patch.kl_to_uniform))
-            log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
-            self.log("train/ibot_loss", patch.loss.detach(), **log)
-            self.log("train/ibot_teacher_entropy", patch.teacher_entropy, **log)
-            self.log("train/ibot_kl_to_uniform", patch.kl_to_uniform, **log)
-        self._check_finite(loss)
-
-        self.manual_backward(loss / accumulate)
+        masks = None
+        if self.ibot:  # seeded by (run seed, rank, step, batch): a resumed run draws the same masks
+            seed = [torch.initial_seed() % 2**63, self.global_rank, self.global_step, batch_idx]
+            masks = self.draw_masks(crops[0], seed)
+        out = self.compute_losses(crops, masks, self.current_epoch, update_center=True)
+        self._finite.observe(out.total, self.global_step)
+        self.manual_backward(out.total / accumulate)
         if window_end:
             self._optimizer_step(opt, momentum)
+        log_losses(self, "train", out)
+        log_host_scalars(self, lr, wd, momentum)
+        self.last_collapse_signals = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
+        if out.ibot is not None:
+            self.last_patch_collapse_signals = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
+        self._steps_since_read += 1
+        if self._steps_since_read >= self.hparams.sync_every_n_steps:
+            self._read_finite()
+        return out.total.detach()
 
-        log = dict(on_step=True, on_epoch=False, batch_size=batch_size)
-        self.log(
-            "train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=batch_size
-        )
-        self.log("train/lr", lr, **log)
-        self.log("train/wd", wd, **log)
-        self.log("train/teacher_momentum", momentum, **log)
-        self.log("train/teacher_temp", self.dino_loss.teacher_temp_at(self.current_epoch), **log)
-        self.last_collapse_signals = (float(out.teacher_entropy), float(out.kl_to_uniform))
-        self.log("train/teacher_entropy", out.teacher_entropy, **log)
-        self.log("train/kl_to_uniform", out.kl_to_uniform, **log)
-        return loss.detach()
-
-    def _sample_masks(self, global_crop: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """Block masks (G*B, N) for the student's global crops, on their device. Drawn from a generator
-        seeded by (run seed, rank, step, batch): a resumed run draws the same masks, and ranks differ."""
-        grid = self.student.backbone.token_grid(*global_crop.shape[-2:])
-        generator = self._mask_generators.get(grid)
-        if generator is None:
-            generator = self._mask_generators[grid] = BlockMaskGenerator(grid)
-        seed = [torch.initial_seed() % 2**63, self.global_rank, self.global_step, batch_idx]
-        masks = sample_masks(
-            NUM_GLOBAL_CROPS * global_crop.shape[0],
-            grid,
-            np.random.default_rng(seed),
-            ratio_range=tuple(self.hparams.mask_ratio_min_max),
-            mask_probability=self.hparams.mask_probability,
-            generator=generator,
-        )
-        return masks.to(global_crop.device, non_blocking=True)
+    def _readable_crops(self, batch: Any, needed: int) -> list[torch.Tensor] | None:
+        """The batch's crops, or None on every rank when any rank has fewer than ``needed`` (every image
+        unreadable: EmptyBatch or None). The ranks agree on the host, so none waits in a collective
+        (centre and Sinkhorn all-reduces, DDP's gradient reduction, synced BN) another never enters."""
+        empty = batch is None or isinstance(batch, EmptyBatch)
+        crops = [] if empty else crops_from_batch(batch)
+        if self._agree.any(len(crops) < needed):
+            return None
+        if self.trainer.training and len(crops) < NUM_GLOBAL_CROPS:
+            raise UserError(
+                f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
+            )
+        return crops
 
     def _optimizer_step(self, opt: Any, momentum: float) -> None:
         """Step (-> ``on_before_optimizer_step``: clipping, last-layer freeze), clear, EMA. Nothing happens
@@ -491,50 +402,40 @@ class DINO(LightningModule):
         torch._foreach_mul_(teacher_params, momentum)
         torch._foreach_add_(teacher_params, student_params, alpha=1.0 - momentum)
 
-    def _check_finite(self, loss: torch.Tensor) -> None:
-        finite = bool(torch.isfinite(loss.detach()))
-        finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
-        if finite:
+    def _read_finite(self) -> None:
+        """The host's read of the finite-loss record (every rank at once): stop with the first bad step."""
+        self._steps_since_read = 0
+        if self._trainer is None or not self._finite.pending:
             return
+        found = self._finite.read(self.trainer.strategy.all_gather)
+        if found is None:
+            return
+        step, value, (first, last) = found
         raise TrainingDiverged(
-            f"DINO loss is {loss.item()} at global step {self.global_step} (epoch {self.current_epoch}); "
-            f"training stopped. Last good checkpoint: {self._last_checkpoint() or 'none saved yet'}. "
-            "Resume from it with --ckpt_path after lowering lr, using --trainer.precision 32 (fp16 is "
-            "unstable for 8x8 patches), or a lower clip_grad."
+            f"DINO loss is {value} at global step {step} (epoch {self.current_epoch}; found by the check of "
+            f"steps {first}-{last}, sync_every_n_steps={self.hparams.sync_every_n_steps}); training stopped. "
+            f"Last good checkpoint: {last_checkpoint(self.trainer) or 'none saved yet'}. Resume from it with "
+            "--ckpt_path after lowering lr, using --trainer.precision 32 (fp16 is unstable for 8x8 patches), "
+            "or a lower clip_grad."
         )
-
-    def _last_checkpoint(self) -> str | None:
-        candidates = []
-        for cb in self.trainer.checkpoint_callbacks:
-            for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
-                if path and Path(path).is_file():
-                    candidates.append(Path(path))
-        if self.trainer.ckpt_path and Path(self.trainer.ckpt_path).is_file():
-            candidates.append(Path(self.trainer.ckpt_path))
-        if not candidates:
-            return None
-        return str(max(candidates, key=lambda p: p.stat().st_mtime))
 
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        """DINO loss on held-out multi-crop batches (student and teacher in eval mode; centre and teacher
-        statistics untouched). Single-view batches (an evaluation transform) have no loss and are skipped, as are
-        batches with no readable image. The ranks skip together, as in training: the Sinkhorn-Knopp
-        centring all-reduces, and a rank that skipped alone would pair its next batch's collectives with
-        another rank's current ones."""
-        empty = batch is None or isinstance(batch, EmptyBatch)
-        crops = [] if empty else crops_from_batch(batch)
-        if self.trainer.strategy.reduce_boolean_decision(len(crops) < NUM_GLOBAL_CROPS + 1, all=False):
+        """The training loss (``compute_losses``: DINO, KoLeo and iBOT terms) on held-out multi-crop batches,
+        with centres, BatchNorm statistics and the training mask draws untouched. Single-view batches (an
+        evaluation transform) have no loss and are skipped, as are batches with no readable image; the ranks
+        skip together, as in training."""
+        crops = self._readable_crops(batch, NUM_GLOBAL_CROPS + 1)
+        if crops is None:
             return None
-        with torch.no_grad(), buffers_preserved(self.teacher):
-            teacher_output = self.teacher(crops[:NUM_GLOBAL_CROPS])
-            student_output = self.student(crops)
-            out = self.dino_loss(student_output, teacher_output, self.trained_epoch, update_center=False)
-        kw = dict(on_epoch=True, sync_dist=True, batch_size=crops[0].shape[0])
-        self.log("val/loss", out.loss, prog_bar=True, **kw)
-        self.log("val/teacher_entropy", out.teacher_entropy, **kw)
-        self.log("val/kl_to_uniform", out.kl_to_uniform, **kw)
-        return out.loss
+        masks = None
+        if self.ibot:  # a stream of its own (the trailing 1): validation never replays a training draw
+            seed = [torch.initial_seed() % 2**63, self.global_rank, self.trained_step, batch_idx, 1]
+            masks = self.draw_masks(crops[0], seed)
+        with torch.no_grad(), buffers_preserved(self):
+            out = self.compute_losses(crops, masks, self.trained_epoch, update_center=False)
+        log_losses(self, "val", out)
+        return out.total
 
     @property
     def trained_epoch(self) -> int:
@@ -554,6 +455,8 @@ class DINO(LightningModule):
 
     # ------------------------------------------------------------------------------------- checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint is written only after the finite record is read: none ever holds diverged weights.
+        self._read_finite()
         # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one.
         checkpoint["rng_states"] = capture_rng_states()
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from ssl_xcit.dino.head import DINOHead
 
 
 class MultiCropWrapper(nn.Module):
@@ -24,6 +27,15 @@ class MultiCropWrapper(nn.Module):
         if patch_head is not None:
             self.patch_head = patch_head
 
+    _compile_patch_pass = False
+
+    def compile_backbone(self) -> None:
+        """``torch.compile`` the backbone in place (parameter names unchanged, so checkpoints stay portable)
+        and its masked patch pass: ``forward_cls_patches`` is a plain method, which ``Module.compile()``
+        (it compiles ``__call__``) never sees, and it carries most of an iBOT step's compute."""
+        self.backbone.compile()
+        self._compile_patch_pass = True
+
     def patch_logits(self, patch_tokens: torch.Tensor) -> torch.Tensor:
         """The patch head (or the shared head) on selected patch tokens (M, C) -> (M, K)."""
         head = getattr(self, "patch_head", None)
@@ -39,7 +51,8 @@ class MultiCropWrapper(nn.Module):
             raise ValueError(
                 f"iBOT needs {n_global} global crops of one size first, got sizes {sorted(sizes)}"
             )
-        embedding, patches = self.backbone.forward_cls_patches(torch.cat(list(crops[:n_global])), mask=masks)
+        patch_pass = _compiled() if self._compile_patch_pass else _cls_patches
+        embedding, patches = patch_pass(self.backbone, torch.cat(list(crops[:n_global])), masks)
         embeddings = [embedding]
         if len(crops) > n_global:
             embeddings.append(self._embed(crops[n_global:]))
@@ -65,6 +78,17 @@ class MultiCropWrapper(nn.Module):
         embedding = self._embed(crops)
         output = self.head(embedding)
         return (output, embedding) if return_embeddings else output
+
+
+def _cls_patches(backbone: nn.Module, x: torch.Tensor, mask: torch.Tensor | None):
+    return backbone.forward_cls_patches(x, mask=mask)
+
+
+@functools.cache
+def _compiled() -> Callable[..., Any]:
+    # One compiled function for every backbone (the backbone is an argument): nothing compiled is stored on
+    # a module, so deepcopy and pickling see a plain module. Made on first use: torch.compile imports dynamo.
+    return torch.compile(_cls_patches)
 
 
 @contextlib.contextmanager
@@ -95,3 +119,35 @@ def crops_from_batch(batch: Any) -> list[torch.Tensor]:
             f"got {type(batch).__name__}"
         )
     return list(batch)
+
+
+def student_and_teacher(
+    create: Callable[..., nn.Module],
+    backbone: str,
+    backbone_kwargs: dict[str, Any],
+    drop_path_rate: float,
+    head_args: dict[str, Any],
+    patch_out_dim: int | None = None,
+    masking: bool = False,
+) -> tuple[MultiCropWrapper, MultiCropWrapper]:
+    """DINO's student and teacher: backbone + head, the teacher an exact copy without drop path and without
+    gradients. ``masking`` gives both backbones iBOT's mask token and, with ``patch_out_dim``, a patch head
+    of their own, so that the teacher mirrors the student parameter for parameter (EMA, state dicts); the
+    teacher never uses its token."""
+    # Construction order (backbones, patch heads, heads) fixes what the seeded initialisation draws.
+    nets = [create(backbone, drop_path_rate=rate, **backbone_kwargs) for rate in (drop_path_rate, 0.0)]
+    args = dict(head_args, in_dim=nets[0].embed_dim)
+    patch_heads: list[DINOHead | None] = [None, None]
+    if masking:
+        for net in nets:
+            net.enable_masking()
+        if patch_out_dim is not None:
+            patch_heads = [DINOHead(**dict(args, out_dim=patch_out_dim)) for _ in nets]
+    pair = [
+        MultiCropWrapper(net, DINOHead(**args), patch) for net, patch in zip(nets, patch_heads, strict=True)
+    ]
+    student, teacher = pair
+    teacher.load_state_dict(student.state_dict())
+    for p in teacher.parameters():
+        p.requires_grad = False
+    return student, teacher

@@ -6,7 +6,13 @@ teacher momentum) or by the epoch (teacher temperature), so a resumed run contin
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
 import numpy as np
+
+from ssl_xcit.errors import UserError
 
 
 def cosine_schedule(
@@ -49,3 +55,74 @@ def teacher_temperature(epoch: int, warmup_temp: float, final_temp: float, warmu
 def scaled_lr(base_lr: float, total_batch_size: int, reference_batch_size: int = 256) -> float:
     """Linear scaling rule of DINO: ``base_lr`` is the peak LR for a batch of 256 images."""
     return base_lr * total_batch_size / reference_batch_size
+
+
+class Schedules(NamedTuple):
+    """DINO's per-iteration arrays and the facts they were sized from."""
+
+    lr: np.ndarray
+    weight_decay: np.ndarray
+    momentum: np.ndarray
+    iters_per_epoch: int
+    total_batch: int
+    peak_lr: float
+
+    def at(self, step: int) -> tuple[float, float, float]:
+        """(lr, weight decay, teacher momentum) at optimiser ``step``; a run extended past its planned length
+        keeps the final values."""
+        i = min(step, len(self.lr) - 1)
+        return float(self.lr[i]), float(self.weight_decay[i]), float(self.momentum[i])
+
+
+def dino_schedules(
+    hp: Mapping[str, Any], epochs: int | None, batches: float, per_device_batch: int, world_size: int
+) -> Schedules:
+    """The reference's lr (linear warm-up, cosine), weight-decay and teacher-momentum schedules for a run of
+    ``epochs`` x ``batches`` per epoch, from DINO's hyperparameters ``hp``. A UserError names any setting
+    that leaves no valid schedule."""
+    if epochs is None or epochs < 1:
+        raise UserError(
+            f"DINO's cosine schedules need a finite trainer.max_epochs, got {epochs}; set --trainer.max_epochs"
+        )
+    if not math.isfinite(batches) or batches < 1:
+        raise UserError(f"DINO needs a sized training dataloader, got {batches} batches per epoch")
+    accumulate = hp["accumulate_grad_batches"]
+    if batches < accumulate:
+        raise UserError(
+            f"accumulate_grad_batches={accumulate} is more than the {int(batches)} training batches per "
+            f"epoch, so no optimiser step would ever run; use accumulate_grad_batches <= {int(batches)}, or "
+            "a smaller batch_size"
+        )
+    iters = int(batches) // accumulate
+    if hp["warmup_epochs"] > epochs:
+        raise UserError(f"warmup_epochs={hp['warmup_epochs']} is longer than trainer.max_epochs={epochs}")
+    total_batch = per_device_batch * world_size * accumulate
+    peak_lr = scaled_lr(hp["lr"], total_batch) if hp["scale_lr_with_batch"] else hp["lr"]
+    return Schedules(
+        lr=cosine_schedule(peak_lr, hp["min_lr"], epochs, iters, warmup_epochs=hp["warmup_epochs"]),
+        weight_decay=cosine_schedule(hp["weight_decay"], hp["weight_decay_end"], epochs, iters),
+        momentum=cosine_schedule(hp["momentum_teacher"], 1.0, epochs, iters),
+        iters_per_epoch=iters,
+        total_batch=total_batch,
+        peak_lr=peak_lr,
+    )
+
+
+def configured_batch_size(loader: Any) -> int:
+    """A training loader's configured per-device batch size. The schedules are sized from it, never from an
+    actual batch: skipped unreadable images shrink a batch, which would lower the peak lr for the whole run
+    and, under DDP, give the ranks different schedules."""
+    loader = getattr(loader, "iterables", loader)  # Lightning's CombinedLoader
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()))
+    elif isinstance(loader, (list, tuple)):
+        loader = loader[0]
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if not size:
+        raise UserError(
+            f"DINO sizes its lr schedule from the loader's batch_size, but {type(loader).__name__} has none; "
+            "use a DataLoader with batch_size set"
+        )
+    return int(size)

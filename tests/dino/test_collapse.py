@@ -6,6 +6,7 @@ import math
 
 import lightning as L
 import pytest
+import torch
 
 from ssl_xcit.dino.collapse import CollapseGuard, collapse_mode
 
@@ -37,7 +38,9 @@ class FakeSignals(L.Callback):
 @pytest.mark.parametrize("action", ["warn", "stop"])
 def test_guard_warns_once_or_stops(tiny, tmp_path, action):
     L.seed_everything(0)
-    model = tiny.model(collapse_guard=action, collapse_patience=3, collapse_grace_steps=1)
+    model = tiny.model(
+        collapse_guard=action, collapse_patience=3, collapse_grace_steps=1, sync_every_n_steps=1
+    )
     uniform = (math.log(model.hparams.out_dim), 0.0)
     trainer = tiny.trainer(tmp_path, max_epochs=3, callbacks=[FakeSignals(uniform)])
     with pytest.warns(
@@ -60,3 +63,26 @@ def test_guard_stays_silent_on_a_real_short_run(tiny, tmp_path, recwarn):
     guard = next(cb for cb in trainer.callbacks if isinstance(cb, CollapseGuard))
     entropy, kl = model.last_collapse_signals
     assert guard.events == [] or guard.events[0]["mode"] == collapse_mode(entropy, kl, 64)
+
+
+def test_guard_reads_the_device_every_k_steps_and_names_the_step_it_collapsed(tiny, tmp_path, monkeypatch):
+    """Signals stay on the device between reads: with sync_every_n_steps=5 the host reads them once per 5
+    batches (plus at the epoch's end), detects the collapse at step 3 as with k=1, and stops at the read."""
+    from ssl_xcit.dino import collapse
+
+    reads = []
+    gather = collapse._gather_rows
+    monkeypatch.setattr(collapse, "_gather_rows", lambda t, rows: reads.append(len(rows)) or gather(t, rows))
+    L.seed_everything(0)
+    model = tiny.model(
+        collapse_guard="stop", collapse_patience=3, collapse_grace_steps=1, sync_every_n_steps=5
+    )
+    uniform = (torch.tensor(math.log(model.hparams.out_dim)), torch.tensor(0.0))
+    trainer = tiny.trainer(tmp_path, max_epochs=3, callbacks=[FakeSignals(uniform)])
+    with pytest.warns(UserWarning, match=r"collapse \(uniform\) for 3 steps at step 3"):
+        trainer.fit(model, tiny.loader())
+    guard = next(cb for cb in trainer.callbacks if isinstance(cb, CollapseGuard))
+    assert [(e["mode"], e["step"]) for e in guard.events] == [("uniform", 3)]
+    # 4 batches per epoch (global steps 1-4 after each; grace 1): all 4 are buffered and read once, at the
+    # epoch's end; the run stops there, at step 4, where a read per step stopped at step 3.
+    assert reads == [4] and trainer.global_step == 4

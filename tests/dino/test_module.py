@@ -144,13 +144,13 @@ def test_schedules_follow_global_step_and_batch_scaling(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, max_epochs=2)
     trainer.fit(model, tiny.loader(batch_size=4))
     # total batch 4 -> peak lr 0.0005 * 4 / 256; 2 epochs x 4 steps
-    assert model.lr_schedule.shape == (8,)
-    assert model.lr_schedule[3] == pytest.approx(0.0005 * 4 / 256)
+    assert model.schedules.lr.shape == (8,)
+    assert model.schedules.lr[3] == pytest.approx(0.0005 * 4 / 256)
     opt = trainer.optimizers[0]
-    assert opt.param_groups[0]["lr"] == pytest.approx(model.lr_schedule[7])
-    assert opt.param_groups[0]["weight_decay"] == pytest.approx(model.wd_schedule[7])
+    assert opt.param_groups[0]["lr"] == pytest.approx(model.schedules.lr[7])
+    assert opt.param_groups[0]["weight_decay"] == pytest.approx(model.schedules.weight_decay[7])
     assert opt.param_groups[1]["weight_decay"] == 0.0
-    assert model.momentum_schedule[0] == pytest.approx(0.996)
+    assert model.schedules.momentum[0] == pytest.approx(0.996)
 
 
 def test_bad_arguments_are_named(tiny):

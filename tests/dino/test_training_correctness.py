@@ -61,7 +61,7 @@ def test_lr_schedule_sized_from_configured_batch_not_first_batch(tiny, tmp_path)
     loader = DataLoader(DropFirstImages(16), batch_size=4, shuffle=False, collate_fn=collate_skip_none)
     trainer = tiny.trainer(tmp_path, max_epochs=2)
     trainer.fit(model, loader)
-    assert float(model.lr_schedule.max()) == pytest.approx(scaled_lr(0.02, 4), rel=1e-9)
+    assert float(model.schedules.lr.max()) == pytest.approx(scaled_lr(0.02, 4), rel=1e-9)
 
 
 def test_all_unreadable_batch_is_skipped_and_counted(tiny, tmp_path):

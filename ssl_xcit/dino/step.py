@@ -1,0 +1,92 @@
+"""DINO's step math and what it logs: the forwards, the DINO, KoLeo and iBOT losses and their total.
+
+:func:`compute_losses` needs no Trainer: ``DINO.training_step`` and ``DINO.validation_step`` both call it (so
+``val/loss`` and ``train/loss`` are the same quantity), and the fake-CUDA tests (``tests/gpu``) run it as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from lightning.pytorch import LightningModule
+
+from ssl_xcit.dino.ibot import MaskedPatches, masked_forward
+from ssl_xcit.dino.koleo import koleo_loss
+from ssl_xcit.dino.loss import DINOLossOutput
+from ssl_xcit.dino.transfer import scalars_to_device
+
+NUM_GLOBAL_CROPS = 2
+
+
+class StepLosses(NamedTuple):
+    """One step's losses: ``total`` = DINO + koleo_weight x KoLeo + ibot_loss_weight x iBOT (device tensors)."""
+
+    total: torch.Tensor
+    dino: DINOLossOutput
+    koleo: torch.Tensor | None  # None when KoLeo is off
+    ibot: DINOLossOutput | None  # None when iBOT is off
+    batch_size: int
+
+
+def compute_losses(
+    model: Any, crops: list[torch.Tensor], masks: MaskedPatches | None, epoch: int, update_center: bool
+) -> StepLosses:
+    """One step's math, needing no Trainer: teacher (no grad) and student forwards, the DINO, KoLeo and
+    iBOT losses and their total. ``masks``: iBOT's (None when off); ``update_center``: move the EMA
+    centres (training) or not (validation)."""
+    batch_size = crops[0].shape[0]
+    if masks is not None:
+        fw = masked_forward(model.student, model.teacher, crops, masks, NUM_GLOBAL_CROPS)
+        teacher_output, student_output, embedding = fw.teacher_output, fw.student_output, fw.student_embedding
+    else:
+        with torch.no_grad():
+            teacher_output = model.teacher(crops[:NUM_GLOBAL_CROPS])
+        student_output, embedding = model.student(crops, return_embeddings=True)
+    dino = model.dino_loss(student_output, teacher_output, epoch, update_center=update_center)
+    total, koleo, patch = dino.loss, None, None
+    if model.hparams.koleo_weight > 0:
+        # Per global crop and per rank, as in DINOv2: each view's local batch is spread on its own. A rank
+        # left with one readable image has no neighbour to push from: its term is 0 (no collective is
+        # involved, so the other ranks are unaffected and nobody waits).
+        if batch_size >= 2:
+            views = embedding[: NUM_GLOBAL_CROPS * batch_size].chunk(NUM_GLOBAL_CROPS)
+            koleo = sum(koleo_loss(view) for view in views)
+        else:
+            koleo = embedding.new_zeros((), dtype=torch.float32)
+        total = total + model.hparams.koleo_weight * koleo
+    if masks is not None:
+        patch = model.ibot_loss(
+            fw.student_patch_logits, fw.teacher_patch_logits, masks, epoch, update_center=update_center
+        )
+        total = total + model.hparams.ibot_loss_weight * patch.loss
+    return StepLosses(total, dino, koleo, patch, batch_size)
+
+
+def log_losses(module: LightningModule, stage: str, out: StepLosses) -> None:
+    """The step's losses and collapse signals: device tensors, which Lightning reads when it writes."""
+    train = stage == "train"
+    kw = dict(on_step=train, on_epoch=not train, sync_dist=not train, batch_size=out.batch_size)
+    module.log(f"{stage}/loss", out.total.detach(), prog_bar=True, **{**kw, "on_epoch": True})
+    module.log(f"{stage}/teacher_entropy", out.dino.teacher_entropy, **kw)
+    module.log(f"{stage}/kl_to_uniform", out.dino.kl_to_uniform, **kw)
+    if out.koleo is not None:
+        module.log(f"{stage}/koleo", out.koleo.detach(), **kw)
+    if out.ibot is not None:
+        module.log(f"{stage}/ibot_loss", out.ibot.loss.detach(), **kw)
+        module.log(f"{stage}/ibot_teacher_entropy", out.ibot.teacher_entropy, **kw)
+        module.log(f"{stage}/ibot_kl_to_uniform", out.ibot.kl_to_uniform, **kw)
+
+
+def log_host_scalars(module: LightningModule, lr: float, wd: float, momentum: float) -> None:
+    """The host's numbers of this step (schedules, skipped batches) in one non-blocking copy: ``self.log`` of
+    a Python float copies each one to the device, blocking."""
+    values = {
+        "train/lr": lr,
+        "train/wd": wd,
+        "train/teacher_momentum": momentum,
+        "train/teacher_temp": module.dino_loss.teacher_temp_at(module.current_epoch),
+        "train/skipped_batches": module.skipped_batches,
+    }
+    for name, value in scalars_to_device(values, module.device).items():
+        module.log(name, value, on_step=True, on_epoch=False, batch_size=1)

@@ -1,0 +1,77 @@
+"""The checks DINO's step needs across ranks, made without stopping the GPU queue every step.
+
+- :class:`FiniteWatch`: a non-finite loss is recorded on the device (a flag, the first bad step, its value)
+  and read on the host once every ``sync_every_n_steps`` steps, before any checkpoint is written, and at
+  each epoch's end. Reading ``bool(torch.isfinite(loss))`` every step would wait for the whole step's kernels.
+- :class:`HostAgreement`: whether any rank must skip a batch is a host fact (its loader gave no image), so
+  the ranks agree on the host, over a CPU (gloo) process group made once; an all-reduce of a CUDA tensor
+  would be read back after every kernel already queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class FiniteWatch:
+    """Accumulates on the device whether a loss was non-finite since the last read, with its step and value."""
+
+    def __init__(self) -> None:
+        self._state: torch.Tensor | None = None  # (bad, first bad step, its loss), float32 on the device
+        self.window: tuple[int, int] | None = None  # first and last step observed since the last read
+
+    @torch.no_grad()
+    def observe(self, loss: torch.Tensor, step: int) -> None:
+        """Record ``loss`` of optimiser ``step``: device operations only."""
+        value = loss.detach().float().reshape(())
+        row = torch.stack((torch.ones_like(value), torch.full_like(value, float(step)), value))
+        if self._state is None:
+            self._state = torch.zeros_like(row)
+        first = ~torch.isfinite(value) & (self._state[0] == 0)
+        self._state = torch.where(first, row, self._state)
+        self.window = (step if self.window is None else self.window[0], step)
+
+    @property
+    def pending(self) -> bool:
+        return self.window is not None
+
+    def read(
+        self, gather: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[int, float, tuple[int, int]] | None:
+        """``(first bad step, its loss, observed window)`` over all ranks, or None when every loss was finite.
+        ``gather`` maps this rank's state to every rank's (e.g. ``strategy.all_gather``); every rank must
+        call ``read`` at the same point. One host read; the watch starts a new window."""
+        if self._state is None:
+            return None
+        rows = gather(self._state).reshape(-1, 3).cpu().tolist()
+        window = self.window
+        self._state, self.window = None, None
+        bad = [(int(step), value) for flag, step, value in rows if flag]
+        if not bad:
+            return None
+        step, value = min(bad)
+        return step, value, window
+
+
+class HostAgreement:
+    """``any`` of a host boolean over all ranks, decided on the host (a gloo group under NCCL)."""
+
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None
+        self._made = False
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any. Every rank must call it at the same point (the
+        first call makes the group, a collective too)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return bool(flag)
+        if not self._made:
+            # The default group serves when it is gloo already; NCCL moves only device tensors.
+            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self._made = True
+        vote = torch.tensor([int(bool(flag))], dtype=torch.int32, device="cpu")
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(vote.item())  # a CPU tensor: no device involved
