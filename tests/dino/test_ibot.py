@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
@@ -82,26 +84,42 @@ def test_shared_head_has_no_patch_head_and_checks_prototypes(tmp_path):
 
 
 def test_weight_zero_keeps_dinos_layout_and_steps(tmp_path):
-    """No mask token, patch head or patch loss: DINO's checkpoints and its official-step equivalence
-    (tests/dino/test_training_correctness.py) are untouched; the same seed gives bit-identical weights."""
+    """Weight 0 builds plain DINO: no mask token, patch head or patch loss, so checkpoints and the official
+    step equivalence are untouched."""
     kwargs = dict(backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 1}, warmup_epochs=0, **HEAD)
-    L.seed_everything(0)
     off = DINO(ibot_loss_weight=0.0, **kwargs)
-    keys = set(off.state_dict())
-    assert not any("mask_token" in k or "patch_head" in k or "ibot" in k for k in keys)
-    _fit(off, tmp_path / "a")
-    L.seed_everything(0)
-    plain = DINO(**kwargs)
-    _fit(plain, tmp_path / "b")
-    for key, value in plain.state_dict().items():
-        assert torch.equal(value, off.state_dict()[key]), key
-    L.seed_everything(0)
+    assert not any("mask_token" in k or "patch_head" in k or "ibot" in k for k in off.state_dict())
     on = DINO(ibot_loss_weight=1.0, **kwargs)
     assert {
         "student.backbone.mask_token",
         "student.patch_head.last_layer.weight_v",
         "ibot_loss.center",
     } <= set(on.state_dict())
+
+
+@pytest.mark.parametrize("weight", [0.0, 1.0])
+def test_the_patch_term_moves_the_patch_head_only_with_a_positive_weight(weight, tmp_path):
+    """iBOT's machinery on (mask token, patch heads, masks drawn and the patch loss computed every step)
+    with the term weighted 0: no gradient reaches the student's patch head, which AdamW then moves by its
+    decoupled weight decay alone, bit for bit; weighted 1, the term moves it."""
+    L.seed_everything(0)
+    model = DINO(
+        "xcit_nano_12_p8",
+        backbone_kwargs={"depth": 1},
+        ibot_loss_weight=1.0,
+        warmup_epochs=0,
+        lr=0.05,
+        **HEAD,
+    )
+    model.hparams.ibot_loss_weight = weight  # machinery built, the term weighted `weight` in the total
+    init = model.student.patch_head.mlp[0].weight.detach().clone()
+    trainer = _fit(model, tmp_path)
+    assert trainer.global_step == 2 and model.last_patch_collapse_signals is not None  # the patch loss ran
+    decayed = init.clone()
+    for step in range(2):  # AdamW with a zero gradient: p <- p * (1 - lr * wd), and nothing else
+        lr, wd, _ = model.schedules.at(step)
+        decayed.mul_(1 - lr * wd)
+    assert torch.equal(model.student.patch_head.mlp[0].weight, decayed) == (weight == 0.0)
 
 
 @pytest.mark.parametrize("backbone", ["crossformerpp_small", "bixt_ti_l64_p16"])
@@ -114,11 +132,18 @@ def test_unmaskable_families_fail_at_construction(backbone):
 def test_masks_are_seeded_per_step_and_differ_between_steps():
     model = DINO("xcit_nano_12_p8", backbone_kwargs={"depth": 1}, ibot_loss_weight=1.0, **HEAD)
     crop = torch.zeros(8, 3, 64, 64)
-    first = model._sample_masks(crop, batch_idx=0)
-    assert first.shape == (16, 64) and first.dtype == torch.bool
-    assert torch.equal(first, model._sample_masks(crop, batch_idx=0))  # a resumed run draws the same
-    assert not torch.equal(first, model._sample_masks(crop, batch_idx=1))
-    assert (first.sum(1) > 0).sum() == 8  # half of the 16 global crops
+    first = model.draw_masks(crop, [0, 0, 5, 0])
+    assert first.masks.shape == (16, 64) and first.masks.dtype == torch.bool
+    assert torch.equal(
+        first.masks, model.draw_masks(crop, [0, 0, 5, 0]).masks
+    )  # a resumed run draws the same
+    assert not torch.equal(first.masks, model.draw_masks(crop, [0, 0, 5, 1]).masks)
+    assert (first.masks.sum(1) > 0).sum() == 8  # half of the 16 global crops
+    # The host's facts match the masks: positions in masks[masks] order, per-image weights.
+    assert first.count == int(first.masks.sum())
+    assert torch.equal(first.masks.flatten().nonzero().squeeze(1), first.image * 64 + first.patch)
+    per_image = first.masks.sum(1).clamp(min=1).float()
+    assert torch.equal(first.weights, (1.0 / per_image).unsqueeze(1).expand_as(first.masks)[first.masks])
 
 
 def test_bad_ibot_settings_are_named():
@@ -154,7 +179,39 @@ def test_collapse_guard_watches_the_patch_term(monkeypatch):
             guard.on_train_batch_end(trainer, module)
     assert trainer.should_stop
     assert guard.events == [
-        {"mode": "uniform", "step": 5, "entropy": pytest.approx(4.80, abs=0.01), "kl_to_uniform": 0.001,
+        {"mode": "uniform", "step": 5, "entropy": pytest.approx(4.80, abs=0.01), "kl_to_uniform": pytest.approx(0.001),
          "term": "ibot"}
     ]  # fmt: skip
     assert logged["collapse/ibot_uniform"] == 1.0 and logged["collapse/uniform"] == 0.0
+
+
+def test_compile_covers_the_masked_patch_pass(monkeypatch):
+    """compile: true compiles the masked iBOT pass too (a plain method call that Module.compile() never sees):
+    a counting backend gets a graph from `forward_with_patches`."""
+    import torch._dynamo
+
+    from ssl_xcit.dino import multicrop
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: real_compile(fn, backend=counting_backend))
+    multicrop._compiled.cache_clear()
+    torch._dynamo.reset()
+    try:
+        model = DINO(
+            "xcit_nano_12_p8", backbone_kwargs={"depth": 1}, ibot_loss_weight=1.0, compile=True, **HEAD
+        )
+        model._trainer = SimpleNamespace(world_size=1)  # what configure_model reads of a Trainer
+        model.configure_model()
+        masks = model.draw_masks(torch.zeros(2, 3, 32, 32), [0, 0, 0, 0])
+        before = len(graphs)
+        model.student.forward_with_patches([torch.randn(2, 3, 32, 32)] * 2, masks.masks)
+        assert len(graphs) > before
+    finally:
+        multicrop._compiled.cache_clear()
+        torch._dynamo.reset()
