@@ -34,3 +34,15 @@ def test_every_runtime_dependency_is_used():
         if not re.search(rf"^\s*(import|from) {re.escape(module)}\b", sources, flags=re.M):
             unused.append(name)
     assert unused == [], f"runtime dependencies that nothing imports: {unused}"
+
+
+def test_torch_floor_has_weights_only_loading():
+    # torch.serialization.safe_globals (our checkpoint loading) needs torch 2.5, and torch.load defaults to the
+    # weights-only unpickler, which Lightning's resume relies on, from 2.6; torchvision 0.21 pairs with 2.6.
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {}
+    for dep in deps:
+        match = re.fullmatch(r"([a-z0-9_-]+)>=([0-9.]+)", dep.split(";")[0].strip())
+        if match:
+            floors[match.group(1)] = tuple(int(p) for p in match.group(2).split("."))
+    assert floors["torch"] >= (2, 6) and floors["torchvision"] >= (0, 21), floors

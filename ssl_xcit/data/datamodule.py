@@ -17,19 +17,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, collate_train
-from ssl_xcit.data.device_augment import PhotometricAugment, seed_for_rank
+from ssl_xcit.data.device_augment import PhotometricAugment
 from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 from ssl_xcit.errors import UserError
 
 AUGMENT_ON = ("auto", "cpu", "device")
+# Streams of the device augmentation's random draws: fit's training batches, validation batches, and calls
+# outside a trainer's loops (benchmarks, direct calls).
+_TRAIN_STREAM, _VAL_STREAM, _OTHER_STREAM = range(3)
 
 
 class DINODataModule(L.LightningDataModule):
@@ -176,10 +180,10 @@ class DINODataModule(L.LightningDataModule):
         self.train_transform: MultiCropTransform | MultiCropGeometry = cpu_transform
         self.device_augment: PhotometricAugment | None = None
         self._use_augment_on("cpu" if augment_on == "auto" else augment_on)  # "auto" is resolved in setup()
-        # The device augmentation's own RNG: seeded on first use from the run's seed and the rank, and kept in
-        # the checkpoint (state_dict), so seeded runs repeat and a resumed run draws what the full run drew.
-        self._augment_generator: torch.Generator | None = None
-        self._augment_state: torch.Tensor | None = None
+        # The device augmentation draws each batch from a generator seeded by (run seed, rank, stream, epoch,
+        # batch index), see batch_rng. The run seed is read once and kept in the checkpoint.
+        self._augment_seed: int | None = None
+        self._other_batches = 0
         self.eval_transform = eval_transform(eval_resize, eval_crop)
         self.train_dataset: ImageDataset | None = None
         self.val_dataset: ImageDataset | None = None  # labelled k-NN queries (no transform), or None
@@ -362,38 +366,67 @@ class DINODataModule(L.LightningDataModule):
         return self._knn
 
     # ------------------------------------------------------------------------------- device augmentation
-    def augment_generator(self) -> torch.Generator:
-        """The CPU generator of the device augmentation's parameters (created and seeded on first use)."""
-        if self._augment_generator is None:
-            rank = self.trainer.global_rank if self.trainer is not None else 0
-            generator = torch.Generator()
-            if self._augment_state is not None:
-                generator.set_state(self._augment_state)
-            else:
-                generator.manual_seed(seed_for_rank(torch.initial_seed(), rank))
-            self._augment_generator = generator
-        return self._augment_generator
+    def augment_seed(self) -> int:
+        """The run's seed for the device augmentation: ``torch.initial_seed()`` at first use (Lightning's
+        ``seed_everything``), or the one a loaded checkpoint recorded."""
+        if self._augment_seed is None:
+            self._augment_seed = int(torch.initial_seed())
+        return self._augment_seed
+
+    def batch_rng(self) -> np.random.Generator:
+        """The generator of the batch being transferred, seeded by (run seed, rank, stream, epoch, batch).
+
+        Why derived per batch instead of one generator whose state is checkpointed: Lightning saves the
+        checkpoint on global rank 0 and every rank loads that file, so a saved state would give every rank
+        rank 0's draws after a resume. The batch's position in the loop is the same on every rank and is
+        restored by Lightning with the loops, so a resumed run draws what the uninterrupted run drew, and ranks
+        differ by their rank (as the iBOT masks do). Validation batches draw from a stream of their own,
+        keyed by the batch's index in the pass: a validation pass leaves the training draws alone, and every
+        pass draws the same augmentations, so val/loss compares passes on equal inputs.
+        """
+        trainer = self.trainer
+        rank = trainer.global_rank if trainer is not None else 0
+        state = getattr(trainer, "state", None)
+        fn = getattr(state, "fn", None)
+        if trainer is not None and fn == "fit" and trainer.training:
+            # Lightning increments `ready` after the transfer: it is this batch's index in the epoch here.
+            batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            key = (_TRAIN_STREAM, trainer.current_epoch, batch)
+        elif (
+            trainer is not None
+            and fn in ("fit", "validate")
+            and (trainer.validating or trainer.sanity_checking)
+        ):
+            loop = trainer.fit_loop.epoch_loop.val_loop if fn == "fit" else trainer.validate_loop
+            key = (_VAL_STREAM, 0, loop.batch_progress.current.ready)
+        else:
+            key = (_OTHER_STREAM, 0, self._other_batches)
+            self._other_batches += 1
+        return np.random.default_rng([self.augment_seed(), rank, *key])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """With ``augment_on="device"``: the photometric augmentation of a multi-crop batch, on its device."""
+        """With ``augment_on="device"``: the photometric augmentation of a multi-crop batch, on its device, in
+        the input dtype of the trainer's precision (bfloat16 under ``bf16-true``, float32 under ``*-mixed``)."""
         if self.device_augment is None or not isinstance(batch, (list, tuple)) or not batch:
             return batch
         crops = batch[0]
         if not isinstance(crops, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in crops):
             return batch
-        augmented = self.device_augment(crops, self.augment_generator())
+        augmented = self.device_augment(crops, self.batch_rng())
+        if self.trainer is not None:
+            # Lightning converts the inputs before this hook runs, when the crops were still uint8 (and so left
+            # alone): convert the float crops now, as the precision plugin would have.
+            augmented = self.trainer.precision_plugin.convert_input(augmented)
         return [augmented, *batch[1:]]
 
     def state_dict(self) -> dict[str, Any]:
-        if self._augment_generator is None and self._augment_state is None:
-            return {}
-        return {"augment_rng": self.augment_generator().get_state()}
+        return {"augment_seed": self.augment_seed()} if self.device_augment is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = state_dict.get("augment_rng")
-        if state is not None:
-            self._augment_state = state
-            self._augment_generator = None
+        if "augment_seed" in state_dict:
+            self._augment_seed = int(state_dict["augment_seed"])
+        # Checkpoints from before per-batch seeding hold "augment_rng", one generator state (rank 0's): it is
+        # ignored, and the draws continue from this run's seed.
 
     # ------------------------------------------------------------------------------------------ bookkeeping
     @property

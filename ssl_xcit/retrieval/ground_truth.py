@@ -18,6 +18,15 @@ from ssl_xcit.errors import UserError
 _MAX_LISTED = 10
 
 
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Unpickles plain Python data only: revisitop's ``gnd_*.pkl`` files hold dicts, lists, strings, ints and
+    floats, and name no global at all. ``pickle.load`` would import and call whatever a file names (code
+    execution from a downloaded file); here any global is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str) -> object:
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
 @dataclass
 class RetrievalDataset:
     """A query set ranked against a database, with the ground truth its ``protocol`` needs.
@@ -86,7 +95,13 @@ def load_revisited_gnd(path: str | Path) -> dict:
         )
     try:
         with open(path, "rb") as handle:
-            cfg = pickle.load(handle)
+            cfg = _PlainDataUnpickler(handle).load()
+    except pickle.UnpicklingError as err:
+        if str(err).startswith("refused global"):
+            raise _gt_error(
+                path, f"{err}: a ground-truth pickle holds only lists, dicts, strings and numbers"
+            ) from None
+        raise _gt_error(path, f"not a readable pickle ({type(err).__name__}: {err})") from err
     except Exception as err:  # noqa: BLE001 - any unpickling failure means the file is not a gnd file
         raise _gt_error(path, f"not a readable pickle ({type(err).__name__}: {err})") from err
     if not isinstance(cfg, dict):

@@ -10,7 +10,6 @@ import torch
 from PIL import Image
 
 from ssl_xcit.data.datamodule import DINODataModule
-from ssl_xcit.data.device_augment import seed_for_rank
 
 SMALL_CROPS = dict(global_crops_size=16, local_crops_size=8, local_crops_number=2, num_workers=0)
 
@@ -66,18 +65,20 @@ def test_augment_on_is_checked_with_the_valid_values(root):
         DINODataModule(root=root, color_jitter=(0.4, 0.4, 0.2, 0.7), **SMALL_CROPS)
 
 
-def test_generator_seeded_from_run_seed_and_rank_and_restored_from_state(root):
+def test_run_seed_read_once_and_restored_from_the_checkpoint_and_old_checkpoints_load(root):
     torch.manual_seed(123)
-    dm = DINODataModule(root=root, batch_size=4, **SMALL_CROPS)
-    assert dm.state_dict() == {}  # nothing drawn yet: nothing to checkpoint
-    want = torch.Generator().manual_seed(seed_for_rank(123, 0)).get_state()
-    assert torch.equal(dm.augment_generator().get_state(), want)
-    assert seed_for_rank(123, 1) != seed_for_rank(123, 0)
-    torch.rand(5, generator=dm.augment_generator())
-    state = dm.state_dict()
-    other = DINODataModule(root=root, batch_size=4, **SMALL_CROPS)
-    other.load_state_dict(state)
-    assert torch.equal(other.augment_generator().get_state(), state["augment_rng"])
+    dm = DINODataModule(root=root, batch_size=4, augment_on="device", **SMALL_CROPS)
+    assert dm.state_dict() == {"augment_seed": 123}
+    torch.manual_seed(7)  # a later reseed (an evaluation inside the run) does not move the stream
+    assert dm.state_dict() == {"augment_seed": 123}
+    other = DINODataModule(root=root, batch_size=4, augment_on="device", **SMALL_CROPS)
+    other.load_state_dict({"augment_seed": 123})
+    assert other.augment_seed() == 123
+    # A checkpoint from before per-batch seeding holds one generator state: it loads, and is not used.
+    old = DINODataModule(root=root, batch_size=4, augment_on="device", **SMALL_CROPS)
+    old.load_state_dict({"augment_rng": torch.Generator().manual_seed(5).get_state()})
+    assert old.augment_seed() == 7
+    assert DINODataModule(root=root, batch_size=4, augment_on="cpu", **SMALL_CROPS).state_dict() == {}
 
 
 class _FakeTrainer:

@@ -153,6 +153,33 @@ def test_not_a_pickle_is_malformed(tmp_path):
         load_revisited_gnd(tmp_path / "gnd.pkl")
 
 
+class _CreatesAFile:
+    """Unpickling calls ``open(target, "w")``: what a malicious ground-truth file could run."""
+
+    def __init__(self, target) -> None:
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def test_ground_truth_pickle_naming_a_global_is_refused_before_it_runs(tmp_path):
+    target = tmp_path / "created_by_unpickling"
+    cfg = {"imlist": ["a"], "qimlist": ["q"], "gnd": [_CreatesAFile(target)]}
+    gnd = _write_gnd(tmp_path / "gnd_evil.pkl", cfg)
+    with pytest.raises(ValueError) as err:
+        load_revisited_gnd(gnd)
+    assert not target.exists()
+    message = str(err.value)
+    assert "\n" not in message and str(gnd) in message and "refused global io.open" in message
+
+
+def test_real_revisited_gnd_files_hold_no_global(shared_data):
+    for name, n_db in (("roxford5k", 4993), ("rparis6k", 6322)):
+        cfg = load_revisited_gnd(shared_data / "revisitop" / f"gnd_{name}.pkl")
+        assert len(cfg["imlist"]) == n_db and len(cfg["qimlist"]) == 70
+
+
 def test_json_benchmark_resolves_paths_names_and_query_in_database(shared_data, tmp_path):
     uk = shared_data / "retrieval_mini" / "ukbench"
     spec = {
