@@ -1,22 +1,27 @@
-"""Training images/s of the real DINO step, model-bound and through the real loader: which one limits a run.
+"""Training images/s of the real DINO step, model-bound and through the real loader, and against lightly's DINO.
 
-Two measurements of the same Lightning training step (``DINO.training_step`` with the datamodule's
-``on_after_batch_transfer``, so the device augmentation is included when it is on), in one run:
+The step is the module's own: ``DINO.training_step`` under a Lightning Trainer with the module's optimiser
+(``configure_optimizers``; ``--fused`` rebuilds its parameter groups with torch's fused kernel), the
+datamodule's ``on_after_batch_transfer`` (the device augmentation when it is on), ``--precision``,
+``--compile`` and ``--ibot`` (``ibot_loss_weight`` 1). Three measurements in one run:
 
-(a) batches already in memory: one real multi-crop batch is replayed every step, so no loading happens; this
-    is the model-bound ceiling;
-(b) through the real ``DINODataModule`` loader with ``--workers`` workers; plus the loader alone (no model), for
-    the per-worker rate.
+(a) batches in memory: one real multi-crop batch, pinned on CUDA, copied ``non_blocking`` every step; no
+    loading happens, so this is the model-bound ceiling;
+(b) through the real ``DINODataModule`` loader with ``--workers`` workers, and the loader alone (no model);
+(c) the peer, lightly's DINO (``throughput_peer.py``; the ``bench`` extra), on the same device, backbone,
+    crops, batch, precision and optimiser; ours (a) / peer is printed (goal >= 1.2x). Without lightly, or
+    with ``--ibot`` (lightly has no iBOT), the output says the peer was skipped and why.
 
-It then prints which of the two limits the run, the workers per device needed to reach the ceiling, and the
-MFU: FLOPs per image are counted with ``torch.utils.flop_counter.FlopCounterMode`` over one step's teacher and
-student forwards, loss and backward (not by hand), divided by the device's peak (``--peak-tflops``, or the bf16
-dense peak of a recognised GPU). On CUDA the step uses bf16 autocast and fused AdamW, and ``--compile``
-``torch.compile``s the backbones; the output says which were on.
+Timing: the window spans ``--steps`` steps after ``--warmup``, from one batch start to the batch start
+``--steps`` later (so it holds as many loads as steps). On CUDA it is measured with CUDA events and one
+``synchronize`` before and one after, none in between, so the CPU/GPU overlap of the real run is kept.
+MFU: FLOPs per image are counted with ``FlopCounterMode`` over one uncompiled training step (forwards, losses,
+backward), divided by the bf16 dense peak of a recognised GPU (``PEAKS``) or ``--peak-tflops``; on any other
+device MFU is ``n/a``, never a guess.
 
     python benchmarks/bench_throughput.py                       # XCiT-N12/16 at 2x224 + 8x96 on flowers5
-    python benchmarks/bench_throughput.py --ci                  # seconds: a 1-block model, 32/16 px crops
-    python benchmarks/bench_throughput.py --device cuda --model xcit_small_12_p16 --batch-size 64 --workers 10
+    python benchmarks/bench_throughput.py --ci                  # seconds on a CPU: 1 block, 32/16 px crops
+    python benchmarks/bench_throughput.py --model xcit_small_12_p16 --batch-size 64 --workers 10 --fused
 
 Data: ``--data`` is an image folder (default ``../shared/data/flowers5``; ``synthetic`` for the built-in set).
 """
@@ -24,9 +29,10 @@ Data: ``--data`` is an image folder (default ``../shared/data/flowers5``; ``synt
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
-import statistics
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +41,8 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import move_data_to_device
+from lightning_utilities.core.apply_func import apply_to_collection
 from PIL import Image
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
@@ -43,43 +51,117 @@ from ssl_xcit.cli.quiet import install_filters
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.dino.module import DINO
-from ssl_xcit.dino.optim import get_params_groups
+from ssl_xcit.dino.optim import build_optimizer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SSL_XCIT_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
-# Dense bf16 tensor-core peaks (vendor data sheets): A100 312 TFLOP/s; H100 and H200 SXM 989 TFLOP/s.
-PEAK_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+HERE = Path(__file__).resolve().parent
+SHARED = Path(os.environ.get("SSL_XCIT_SHARED_DATA") or HERE.parents[1] / "shared" / "data")
+# Dense bf16 tensor-core peaks (NVIDIA data sheets; the sparse figures halved), keyed by the name
+# torch.cuda.get_device_name gives. SXM, PCIe and NVL parts of one chip differ; an unknown name gets no peak.
+PEAKS: list[tuple[str, float, str]] = [
+    (r"\bH100 NVL\b", 835.0, "H100 NVL"),
+    (r"\bH100 PCIe\b", 756.0, "H100 PCIe"),
+    (r"\bH100 (SXM|80GB HBM3)", 989.0, "H100 SXM"),
+    (r"\bH200 NVL\b", 835.0, "H200 NVL"),
+    (r"\bH200( SXM)?( 141GB)?( HBM3e)?$", 989.0, "H200 SXM"),
+    (r"\bA100\b", 312.0, "A100 (SXM and PCIe)"),
+]
+
+
+def peak_tflops(device_name: str) -> tuple[float | None, str]:
+    """(dense bf16 TFLOP/s, model) for a GPU name from ``torch.cuda.get_device_name``; (None, why) if unknown."""
+    for pattern, peak, model in PEAKS:
+        if re.search(pattern, device_name):
+            return peak, model
+    return None, f"unknown GPU {device_name!r}: give --peak-tflops"
+
+
+class Window:
+    """Seconds between ``start()`` and ``stop()``: CUDA events with one synchronize before and one after on a
+    GPU (nothing in between waits), ``perf_counter`` elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device, self.seconds = device, math.nan
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            torch.cuda.synchronize(self.device)
+            self.seconds = self._begin.elapsed_time(end) / 1000.0
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+
+class WindowTimer(L.Callback):
+    """Times the batches ``warmup`` .. ``warmup + steps`` (batch start to batch start); keeps the optimiser."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps, self.seen = warmup, steps, 0
+        self.window: Window | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.seen == self.warmup:
+            self.window = Window(pl_module.device)
+            self.window.start()
+        elif self.seen == self.warmup + self.steps:
+            self.window.stop()
+        self.seen += 1
+        self.optimizer = trainer.optimizers[0]
+
+    def rate(self, batch_size: int) -> float:
+        if self.window is None or math.isnan(self.window.seconds):
+            raise RuntimeError(
+                f"only {self.seen} batches ran; the window needs {self.warmup + self.steps + 1}"
+            )
+        return batch_size * self.steps / self.window.seconds
+
+
+class FlopCount(L.Callback):
+    """FLOPs of the first training step (forwards, losses, backward), counted by ``FlopCounterMode``."""
+
+    def __init__(self) -> None:
+        self.counter, self.flops = FlopCounterMode(display=False), None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.flops is None:
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.flops is None:
+            self.counter.__exit__(None, None, None)
+            self.flops = self.counter.get_total_flops()
 
 
 class BenchDINO(DINO):
-    """DINO with fused AdamW on CUDA (one kernel for all parameters); the reference's AdamW otherwise."""
+    """The module's own optimiser; with ``fused`` its parameter groups rebuilt with torch's fused kernel."""
+
+    fused = False
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        fused = self.device.type == "cuda"
-        return torch.optim.AdamW(get_params_groups(self.student), lr=0.0, fused=fused or None)
-
-
-class StepTimer(L.Callback):
-    """Wall time between consecutive batch starts (loading included), after ``warmup`` steps."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.starts = warmup, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.starts.append(time.perf_counter())
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.on_train_batch_start(trainer, pl_module, None, -1)
-
-    def step_seconds(self) -> list[float]:
-        times = self.starts[self.warmup :]
-        return [b - a for a, b in zip(times, times[1:], strict=False)]
+        opt = super().configure_optimizers()
+        if not self.fused:
+            return opt
+        # The module's groups, without the defaults the optimiser filled in (a group's own `fused: False`
+        # would otherwise win over the constructor's fused=True).
+        groups = [
+            {k: v for k, v in g.items() if k == "params" or opt.defaults.get(k, object()) != v}
+            for g in opt.param_groups
+        ]
+        return build_optimizer(self.hparams.optimizer, groups, fused=True)
 
 
 class InMemory(L.LightningDataModule):
-    """One real training batch replayed every step; the real datamodule's device augmentation still runs."""
+    """One real training batch replayed every step, copied to the device ``non_blocking`` (pinned on CUDA);
+    the real datamodule's device augmentation still runs on it."""
 
     def __init__(self, data: DINODataModule, batch: Any, steps: int) -> None:
         super().__init__()
@@ -88,6 +170,9 @@ class InMemory(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         size = self.batch[0][0].shape[0]
         return DataLoader(range(size * self.steps), batch_size=size, collate_fn=lambda _: self.batch)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return apply_to_collection(batch, torch.Tensor, lambda t: t.to(device, non_blocking=True))
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         return self.data.on_after_batch_transfer(batch, dataloader_idx)
@@ -108,7 +193,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=str(SHARED / "flowers5"), help="image folder, or 'synthetic', or 'ci'")
     p.add_argument("--augment-on", default="auto", choices=["auto", "cpu", "device"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--compile", action="store_true", help="torch.compile the backbones (CUDA)")
+    p.add_argument(
+        "--precision", default=None, help="Lightning precision (default: bf16-mixed on CUDA, else 32)"
+    )
+    p.add_argument("--fused", action="store_true", help="torch's fused optimiser kernel (ours and the peer)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the backbones (ours and the peer)")
+    p.add_argument("--ibot", action="store_true", help="iBOT's masked patch term on (ibot_loss_weight 1.0)")
+    p.add_argument("--no-peer", action="store_true", help="do not time lightly's DINO")
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads of the training process (0: default)"
     )
@@ -120,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_size, args.global_size, args.local_size, args.local_crops = 8, 32, 16, 2
         args.workers, args.steps, args.warmup = 1, 3, 1
         args.data = "ci"
+    if args.precision is None:
+        args.precision = "bf16-mixed" if args.device.startswith("cuda") else "32-true"
     return args
 
 
@@ -133,125 +226,152 @@ def ci_images(count: int = 48) -> str:
     return str(folder)
 
 
-def flops_per_image(model: DINO, crops: list[torch.Tensor], amp: bool) -> float:
-    """FLOPs of one DINO step's forwards (teacher on the global crops, student on all), loss and backward."""
-    model.train()
-    with FlopCounterMode(display=False) as counter:
-        with torch.autocast(crops[0].device.type, dtype=torch.bfloat16, enabled=amp):
-            with torch.no_grad():
-                teacher = model.teacher(crops[:2])
-            loss = model.dino_loss(model.student(crops), teacher, 0, update_center=False).loss
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops() / crops[0].shape[0]
+def _peer():
+    spec = importlib.util.spec_from_file_location("ssl_xcit_throughput_peer", HERE / "throughput_peer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[float | None, str]:
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12, f"--peak-tflops {args.peak_tflops:g}"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in PEAK_BF16.items():
-            if key in name:
-                return peak, f"{name}, dense bf16 {peak / 1e12:g} TFLOP/s"
-    return None, "unknown peak (give --peak-tflops)"
+def _probe(data: DINODataModule, device: torch.device) -> Any:
+    """Set ``data`` up as a Trainer on ``device`` would (``augment_on=auto`` resolved), without fitting."""
+    data.trainer = L.Trainer(accelerator=device.type, devices=1, logger=False)
+    data.setup("fit")
+    data.trainer = None
+    return data
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     install_filters()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    window_batches = args.warmup + args.steps + 1
     if args.data == "ci":
-        root = ci_images()
+        root = ci_images(max(48, args.batch_size * window_batches))
     else:
         root = str(ensure_synthetic_dataset() / "train") if args.data == "synthetic" else args.data
     data_kw = dict(
         root=root, batch_size=args.batch_size, num_workers=args.workers, persistent_workers=False,
         global_crops_size=args.global_size, local_crops_size=args.local_size, local_crops_number=args.local_crops,
-        augment_on=args.augment_on,
+        augment_on=args.augment_on, pin_memory=cuda,
     )  # fmt: skip
     model_kw = dict(
-        backbone=args.model, out_dim=args.out_dim, warmup_epochs=0, compile=args.compile and cuda,
+        backbone=args.model, out_dim=args.out_dim, warmup_epochs=0, compile=args.compile,
         collapse_guard="off", backbone_kwargs={"depth": args.depth} if args.depth else None,
+        ibot_loss_weight=1.0 if args.ibot else 0.0,
     )  # fmt: skip
     trainer_kw = dict(
-        accelerator=device.type, devices=1, max_epochs=1, limit_train_batches=args.warmup + args.steps + 1,
-        precision="bf16-mixed" if cuda else "32-true", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        accelerator=device.type, devices=1, max_epochs=1, precision=args.precision, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0,
     )  # fmt: skip
 
-    def fit(datamodule: L.LightningDataModule) -> float:
+    def build(**override: Any) -> BenchDINO:
         L.seed_everything(0, verbose=False)
-        timer = StepTimer(args.warmup)
-        trainer = L.Trainer(**trainer_kw, callbacks=[timer])
-        trainer.fit(BenchDINO(**model_kw), datamodule)
-        return args.batch_size / statistics.median(timer.step_seconds())
+        model = BenchDINO(**{**model_kw, **override})
+        model.fused = args.fused
+        return model
 
-    # One real batch, from the loader as training sees it (uint8 crops in device mode).
-    data = DINODataModule(**{**data_kw, "num_workers": 0})
-    probe = L.Trainer(accelerator=device.type, devices=1, logger=False)
-    data.trainer = probe
-    data.setup("fit")
+    def fit(datamodule: L.LightningDataModule, batches: int = window_batches, **override: Any) -> Any:
+        timer, flops = WindowTimer(args.warmup, args.steps), FlopCount()
+        trainer = L.Trainer(**trainer_kw, limit_train_batches=batches, callbacks=[timer, flops])
+        model = build(**override)
+        trainer.fit(model, datamodule)
+        return timer, flops, model
+
+    # One real batch, from the loader as training sees it (uint8 crops in device mode); pinned on CUDA.
+    data = _probe(DINODataModule(**{**data_kw, "num_workers": 0}), device)
     where = data.augment_on
     batch = next(iter(data.train_dataloader()))
-    data.trainer = None
-    ceiling = fit(InMemory(data, batch, args.warmup + args.steps + 1))
+    if cuda:
+        batch = apply_to_collection(batch, torch.Tensor, lambda t: t.pin_memory())
+    timer, _, trained = fit(InMemory(data, batch, window_batches))
+    ceiling = timer.rate(args.batch_size)
+    opt = timer.optimizer
+    _, counted, _ = fit(InMemory(data, batch, 1), batches=1, compile=False)
+    flops = counted.flops / args.batch_size
 
-    loader_dm = DINODataModule(**data_kw)
-    loader_dm.trainer = probe
-    loader_dm.setup("fit")
-    loader_dm.trainer = None
-    iterator, start = iter(loader_dm.train_dataloader()), None
-    for i in range(args.warmup + args.steps + 1):
+    loader_dm = _probe(DINODataModule(**data_kw), device)
+    loader = loader_dm.train_dataloader()
+    if len(loader) < window_batches:
+        raise SystemExit(
+            f"{root} gives {len(loader)} batches of {args.batch_size}; the timing needs --warmup + --steps + 1 = "
+            f"{window_batches}: use more images or fewer steps"
+        )
+    iterator, start = iter(loader), None
+    for i in range(window_batches):
         next(iterator)
         if i == args.warmup:
             start = time.perf_counter()
     loader_rate = args.batch_size * args.steps / (time.perf_counter() - start)
     del iterator
     per_worker = loader_rate / max(args.workers, 1)
-    through_loader = fit(DINODataModule(**data_kw))
+    through_loader = fit(DINODataModule(**data_kw))[0].rate(args.batch_size)
 
-    model = BenchDINO(**{**model_kw, "compile": False}).to(device)
-    moved = [c.to(device) for c in batch[0]]
-    crops = data.on_after_batch_transfer([moved, *batch[1:]], 0)[0]
-    flops = flops_per_image(model, crops, amp=cuda)
-    peak, peak_source = peak_flops(args, device)
+    if args.peak_tflops:
+        peak, peak_source = args.peak_tflops * 1e12, f"--peak-tflops {args.peak_tflops:g}"
+    elif cuda:
+        name = torch.cuda.get_device_name(device)
+        tflops, model_name = peak_tflops(name)
+        peak = tflops * 1e12 if tflops else None
+        peak_source = f"{model_name}, dense bf16 {tflops:g} TFLOP/s" if tflops else model_name
+    else:
+        peak, peak_source = None, f"no known peak for {device.type} (give --peak-tflops)"
 
     def mfu(rate: float) -> str:
         return f"MFU {100 * rate * flops / peak:.1f} %" if peak else "MFU n/a"
 
+    # The peer, on the crops ours trained on (normalised float, as lightly's loader would deliver them).
+    peer_module, peer_rate = _peer(), None
+    hp = peer_module.bench_lightly_module().ours_hparams(build(), data, 1, window_batches)
+    skipped = "--no-peer" if args.no_peer else peer_module.unavailable(hp, args.ibot)
+    if skipped is None:
+        moved = move_data_to_device(batch, device)
+        crops = [c.float().cpu() for c in data.on_after_batch_transfer(moved, 0)[0]]
+        if cuda:
+            crops = [c.pin_memory() for c in crops]
+        peer_rate = peer_module.time_peer(
+            build(compile=False), data, crops, device=device, precision=args.precision, fused=args.fused,
+            compile=args.compile, warmup=args.warmup, steps=args.steps, window_cls=Window,
+        )  # fmt: skip
+
+    fused_on = bool(opt.param_groups[0].get("fused"))
     print(
         f"{args.model}{f' (depth {args.depth})' if args.depth else ''} on {device.type}"
         f"{f' ({torch.cuda.get_device_name(device)})' if cuda else ''}, {torch.get_num_threads()} threads; "
         f"batch {args.batch_size}, 2x{args.global_size} + {args.local_crops}x{args.local_size} crops, "
-        f"out_dim {args.out_dim}; augment_on={where}; bf16 autocast {'on' if cuda else 'off'}, fused AdamW "
-        f"{'on' if cuda else 'off'}, torch.compile {'on' if args.compile and cuda else 'off'}; "
-        f"median of {args.steps} steps after {args.warmup}; {os.cpu_count()} CPUs"
+        f"out_dim {args.out_dim}; augment_on={where}; precision {args.precision}; optimizer "
+        f"{type(opt).__name__} (module's, fused {'on' if fused_on else 'off'}); torch.compile "
+        f"{'on' if args.compile else 'off'}; iBOT {'on' if args.ibot else 'off'}; "
+        f"{args.steps} steps after {args.warmup}, timed with {'CUDA events' if cuda else 'perf_counter'}; "
+        f"{os.cpu_count()} CPUs"
     )
+    print(f"  FLOPs per image (FlopCounterMode, one step): {flops / 1e9:.3f} GFLOP; peak: {peak_source}")
+    print(f"  (a) batches in memory (model-bound ceiling): {ceiling:10.2f} images/s, {mfu(ceiling)}")
     print(
-        f"  FLOPs per image (FlopCounterMode, forward + backward): {flops / 1e9:.2f} GFLOP; peak: {peak_source}"
-    )
-    print(f"  (a) batches in memory (model-bound ceiling): {ceiling:8.2f} images/s, {mfu(ceiling)}")
-    print(
-        f"  (b) loader alone, {args.workers} workers:        {loader_rate:8.2f} images/s, "
+        f"  (b) loader alone, {args.workers} workers:        {loader_rate:10.2f} images/s, "
         f"{per_worker:.2f} images/s per worker"
     )
     print(
-        f"  (b) training through the loader:           {through_loader:8.2f} images/s, {mfu(through_loader)}"
+        f"  (b) training through the loader:           {through_loader:10.2f} images/s, {mfu(through_loader)}"
     )
-    limit = "the data loader" if loader_rate < ceiling else "the model"
+    limit = "the data loader (loader-bound)" if loader_rate < ceiling else "the model (model-bound)"
     print(f"  ratio (b) / (a): {through_loader / ceiling:.2f}; loader / ceiling: {loader_rate / ceiling:.2f}")
     print(f"  limited by {limit}; workers per device to reach the ceiling: {math.ceil(ceiling / per_worker)}")
+    if peer_rate is None:
+        print(f"  (c) peer (lightly DINO): skipped: {skipped}")
+    else:
+        note = " (ours includes the device augmentation)" if where == "device" else ""
+        print(f"  (c) peer (lightly DINO), same crops in memory: {peer_rate:10.2f} images/s")
+        print(f"  ours (a) / peer: {ceiling / peer_rate:.2f}x (goal >= 1.2x){note}")
     return {
-        "ceiling": ceiling,
-        "loader": loader_rate,
-        "per_worker": per_worker,
-        "through_loader": through_loader,
-        "flops_per_image": flops,
-    }
+        "ceiling": ceiling, "loader": loader_rate, "per_worker": per_worker, "through_loader": through_loader,
+        "flops_per_image": flops, "peak": peak, "optimizer": opt, "fused": fused_on, "module": trained,
+        "peer": peer_rate, "peer_skipped": skipped, "precision": args.precision,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -70,17 +70,49 @@ class LARS(torch.optim.Optimizer):
         return loss
 
 
-def build_optimizer(name: str, params_groups: list[dict]) -> torch.optim.Optimizer:
+# torch's own fused (single multi-tensor kernel) implementations; LARS is ours and has none.
+FUSED_OPTIMIZERS = ("adamw", "sgd")
+
+
+def _check_fused(name: str, params_groups: list[dict]) -> None:
+    """Refuse ``fused=True`` now, naming the optimiser and the device, where torch would refuse it only at
+    the first step (torch checks each parameter's device and dtype inside ``step``)."""
+    if name not in FUSED_OPTIMIZERS:
+        raise UserError(
+            f"optimizer {name!r} has no fused implementation in torch; fused=True works with: "
+            f"{', '.join(FUSED_OPTIMIZERS)}"
+        )
+    # The list torch itself checks against in `step` (private, but the only source of truth for it).
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    supported = _get_fused_kernels_supported_devices()
+    for group in params_groups:
+        for param in group["params"]:
+            if param.device.type not in supported:
+                raise UserError(
+                    f"torch has no fused {name} for parameters on device {param.device.type!r} "
+                    f"(torch {torch.__version__} supports: {', '.join(supported)}); use fused=False"
+                )
+            if not torch.is_floating_point(param):
+                raise UserError(f"fused {name} needs floating-point parameters, got {param.dtype}")
+
+
+def build_optimizer(name: str, params_groups: list[dict], fused: bool = False) -> torch.optim.Optimizer:
     """``adamw`` (default betas), ``sgd`` (momentum 0.9) or ``lars``. LR and weight decay start at 0 and are
-    overwritten from the schedules before every step."""
+    overwritten from the schedules before every step. ``fused=True`` uses torch's fused AdamW or SGD (one
+    kernel for all parameters; the same update up to rounding) and is refused for LARS or for parameters on
+    a device torch has no fused kernel for."""
     name = name.lower()
+    if name not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+    if fused:
+        _check_fused(name, params_groups)
+    # fused=None (not False) leaves torch's own default choice of implementation untouched.
     if name == "adamw":
-        return torch.optim.AdamW(params_groups, lr=0.0)
+        return torch.optim.AdamW(params_groups, lr=0.0, fused=True if fused else None)
     if name == "sgd":
-        return torch.optim.SGD(params_groups, lr=0.0, momentum=0.9)
-    if name == "lars":
-        return LARS(params_groups)
-    raise UserError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+        return torch.optim.SGD(params_groups, lr=0.0, momentum=0.9, fused=True if fused else None)
+    return LARS(params_groups)
 
 
 @torch.no_grad()

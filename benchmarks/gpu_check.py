@@ -1,0 +1,306 @@
+"""One GPU check, one command: ``bash benchmarks/gpu_check.sh`` (this script does the work), one table.
+
+Rows: the quickstart (``ssl-xcit fit -c recipes/quickstart.yaml``, short) in 16-mixed, bf16-mixed and
+bf16-true; compile on and off; iBOT on and off (and both on: compile must cover the masked pass);
+``augment_on`` cpu and device; host syncs per step (``sync_count.py``); the throughput benchmark; with 2 or
+more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``). Rows with
+the same settings share one run. A row passes when its run ends with the steps asked for and finite weights
+and loss (and its own condition where it has one). Exit status 1 when any row fails.
+
+``--dry-run`` runs the same rows on the CPU at tiny size (a 1-block model, 32/16 px crops, 2 steps, base
+precision 32-true): 16-mixed, which Lightning does not run on a CPU, is a skipped row saying so; the sync row
+runs its counter with the CPU proxy of ``sync_count.py`` but reports n/a (a CPU has nothing to wait for); the
+2-process row uses gloo. ``--only NAME,...`` runs a
+subset of the sections (``--only precision,sync``; see ``SECTIONS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RECIPE = REPO / "recipes" / "quickstart.yaml"
+
+
+@dataclass
+class Row:
+    name: str
+    setting: str
+    result: str
+    status: str  # pass | fail | skip
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"ssl_xcit_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_images(folder: Path, count: int = 24) -> Path:
+    """Small photo-like JPEGs (the dry run's data: no k-NN, no synthetic-set generation)."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        small = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
+        small.resize((48, 48), Image.BICUBIC).save(folder / f"{i:03d}.jpg", quality=90)
+    return folder
+
+
+class Check:
+    """The settings of one mode (GPU or dry run) and the runs already made (rows with equal settings share)."""
+
+    def __init__(self, dry: bool, tmp: Path) -> None:
+        self.dry, self.tmp = dry, tmp
+        self.accelerator = "cpu" if dry else "cuda"
+        self.steps = 2 if dry else 20
+        self.base_precision = "32-true" if dry else "bf16-mixed"
+        self.cache: dict[tuple[str, ...], Row] = {}
+        train = [f"--trainer.accelerator={self.accelerator}", "--trainer.devices=1", "--trainer.num_nodes=1",
+                 "--trainer.strategy=auto", "--trainer.max_epochs=1", f"--trainer.limit_train_batches={self.steps}",
+                 "--trainer.limit_val_batches=2", "--data.init_args.augment_on=device"]  # fmt: skip
+        if dry:
+            data = tiny_images(tmp / "images")
+            train += [
+                "--model.init_args.backbone_kwargs={depth: 1}", "--model.init_args.out_dim=64",
+                "--model.init_args.head_hidden_dim=32", "--model.init_args.head_bottleneck_dim=16",
+                "--model.init_args.warmup_epochs=0", "--model.init_args.warmup_teacher_temp_epochs=0",
+                f"--data.init_args.root={data}", "--data.init_args.batch_size=4", "--data.init_args.num_workers=0",
+                "--data.init_args.persistent_workers=false", "--data.init_args.local_crops_number=2",
+                "--data.init_args.global_crops_size=32", "--data.init_args.local_crops_size=16",
+            ]  # fmt: skip
+        else:
+            train.append(f"--data.init_args.num_workers={max(1, min(8, (os.cpu_count() or 2) - 1))}")
+        self.train = train
+
+    def fit(self, *extra: str) -> Row:
+        """``ssl-xcit fit -c recipes/quickstart.yaml`` with the short settings and ``extra``, in this process."""
+        key = tuple(sorted(extra))
+        if key in self.cache:
+            return self.cache[key]
+        from ssl_xcit.cli import main as cli_main
+
+        run_dir = self.tmp / f"run{len(self.cache)}"
+        argv = ["fit", "-c", str(RECIPE), *self.train, *extra, "--run_dir", str(run_dir)]
+        start = time.perf_counter()
+        try:
+            cli = cli_main(argv)
+        except BaseException as err:  # one failed run is one failed row, never the end of the table
+            row = Row(
+                "", "", f"{type(err).__name__}: {str(err).splitlines()[0][:90] if str(err) else ''}", "fail"
+            )
+        else:
+            seconds = time.perf_counter() - start
+            trainer, model = cli.trainer, cli.model
+            loss = trainer.callback_metrics.get(
+                "train/loss_epoch", trainer.callback_metrics.get("train/loss")
+            )
+            loss = float(loss) if loss is not None else math.nan
+            finite = all(bool(torch.isfinite(p).all()) for p in model.teacher.parameters())
+            ok = trainer.global_step == self.steps and math.isfinite(loss) and finite
+            result = f"{trainer.global_step} steps, loss {loss:.3f}, {seconds:.0f} s"
+            row = Row("", "", result + ("" if finite else ", non-finite weights"), "pass" if ok else "fail")
+        self.cache[key] = row
+        return row
+
+
+def precision_rows(check: Check) -> list[Row]:
+    rows = []
+    for precision in ("16-mixed", "bf16-mixed", "bf16-true", *(("32-true",) if check.dry else ())):
+        if check.dry and precision == "16-mixed":
+            rows.append(Row("quickstart", precision, "n/a: Lightning has no 16-mixed on a CPU", "skip"))
+        else:
+            rows.append(_named(check.fit(f"--trainer.precision={precision}"), "quickstart", precision))
+    return rows
+
+
+def option_rows(check: Check, name: str) -> list[Row]:
+    """``name`` off and on at the base precision (the off run is the base run, shared)."""
+    p = f"--trainer.precision={check.base_precision}"
+    ibot, compile_ = "--model.init_args.ibot_loss_weight=1.0", "--model.init_args.compile=true"
+    runs = {
+        "compile": [("off", [p]), ("on", [p, compile_])],
+        "ibot": [("off", [p]), ("on", [p, ibot]), ("on + compile", [p, ibot, compile_])],
+        "augment_on": [("cpu", [p, "--data.init_args.augment_on=cpu"]), ("device", [p])],
+    }[name]
+    return [_named(check.fit(*extra), name, f"{value} ({check.base_precision})") for value, extra in runs]
+
+
+def _named(row: Row, name: str, setting: str) -> Row:
+    return Row(name, setting, row.result, row.status)
+
+
+def sync_row(check: Check) -> Row:
+    """Host syncs per step of the quickstart's model and data, after 2 warm-up steps. Passes when at most one
+    step in ``k`` syncs, ``k`` being the logging interval (and ``sync_every_n_steps`` where DINO has it)."""
+    import lightning as L
+    import yaml
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ssl_xcit.data.datamodule import DINODataModule
+    from ssl_xcit.dino.module import DINO
+
+    counter = _load("sync_count").SyncCounter(skip=2)
+    k, measured = 4, 4 if check.dry else 12
+    recipe = yaml.safe_load(RECIPE.read_text())
+    model_kw, data_kw = recipe["model"]["init_args"], {**recipe["data"]["init_args"], "augment_on": "device"}
+    if check.dry:
+        model_kw = {**model_kw, "backbone_kwargs": {"depth": 1}, "out_dim": 64, "warmup_epochs": 0}
+        data_kw = {**data_kw, "root": str(check.tmp / "images"), "batch_size": 4, "num_workers": 0,
+                   "persistent_workers": False, "global_crops_size": 32, "local_crops_size": 16}  # fmt: skip
+    setting = f"after 2 steps, {measured} steps, logging every {k}"
+    if "sync_every_n_steps" in inspect.signature(DINO).parameters:  # only where the module has the setting
+        model_kw = {**model_kw, "sync_every_n_steps": k}
+        setting += f", sync_every_n_steps {k}"
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator=check.accelerator, devices=1, precision=check.base_precision, max_epochs=1,
+        limit_train_batches=2 + measured + 1, limit_val_batches=0, num_sanity_val_steps=0,
+        logger=CSVLogger(check.tmp / "sync_logs"), log_every_n_steps=k, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[counter],
+    )  # fmt: skip
+    trainer.fit(DINO(**{**model_kw, "collapse_guard": "off"}), DINODataModule(**data_kw))
+    steps = counter.per_step[:measured]
+    syncing = sum(n > 0 for n in steps)
+    allowed = math.ceil(len(steps) / k)
+    ops = ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in sorted(counter.ops.items()))
+    result = f"{sum(steps)} syncs in {len(steps)} steps, {syncing} steps sync (allowed {allowed})"
+    result += f"; {counter.method}" + (f": {ops}" if ops else "")
+    if check.dry:  # nothing waits on a CPU: the proxy's count includes host-side tensors, an upper bound only
+        per_step = sum(steps) / max(len(steps), 1)
+        result = f"n/a on a CPU (CPU proxy, host-side tensors included: {per_step:.0f} per step)"
+        return Row("host syncs per step", setting, result, "skip" if len(steps) == measured else "fail")
+    ok = len(steps) == measured and syncing <= allowed
+    return Row("host syncs per step", setting, result, "pass" if ok else "fail")
+
+
+def throughput_row(check: Check) -> Row:
+    bench = _load("bench_throughput")
+    if check.dry:
+        argv = ["--ci", "--device", "cpu"]
+    else:
+        workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+        argv = ["--model", "xcit_small_12_p16", "--batch-size", "64", "--workers", str(workers), "--data",
+                "synthetic", "--steps", "10", "--warmup", "3", "--fused"]  # fmt: skip
+    out = bench.main(argv)
+    ratio = out["ceiling"] / out["peer"] if out["peer"] else None
+    mfu = (
+        f"MFU {100 * out['ceiling'] * out['flops_per_image'] / out['peak']:.1f} %"
+        if out["peak"]
+        else "MFU n/a"
+    )
+    result = f"ceiling {out['ceiling']:.1f} images/s, {mfu}, loader {out['loader']:.1f} images/s; "
+    result += f"ours/peer {ratio:.2f}x" if ratio else f"peer skipped ({out['peer_skipped']})"
+    measured = all(math.isfinite(out[k]) and out[k] > 0 for k in ("ceiling", "loader", "through_loader"))
+    # On a GPU the peer ratio is the target (>= 1.2x); on the CPU dry run it is only reported.
+    ok = measured and (check.dry or ratio is None or ratio >= 1.2)
+    return Row("throughput", " ".join(argv), result, "pass" if ok else "fail")
+
+
+def ddp_row(check: Check) -> Row:
+    if not check.dry and torch.cuda.device_count() < 2:
+        return Row("ddp 2 = 1 process", "nccl", f"skipped: {torch.cuda.device_count()} GPU(s)", "skip")
+    worker, out = HERE / "gpu_check_ddp.py", check.tmp / "ddp"
+    out.mkdir(exist_ok=True)
+    size = "32" if check.dry else "64"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = [
+        [sys.executable, str(worker), str(out), "1", check.accelerator, size],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", f"--master_port={port}",
+         str(worker), str(out), "2", check.accelerator, size],
+    ]  # fmt: skip
+    for cmd in runs:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            return Row(
+                "ddp 2 = 1 process", "", f"run failed: {proc.stderr.strip().splitlines()[-1][:90]}", "fail"
+            )
+    one, two = (torch.load(out / f"teacher_ws{w}.pt", weights_only=True) for w in (1, 2))
+    diff = max(float((one["teacher"][k].float() - v.float()).abs().max()) for k, v in two["teacher"].items())
+    moved = one["steps"] == two["steps"] == 3
+    close = all(
+        torch.allclose(v.float(), one["teacher"][k].float(), rtol=1e-4, atol=1e-5)
+        for k, v in two["teacher"].items()
+    )
+    backend = "gloo, CPU" if check.dry else "nccl"
+    setting = f"{backend}, 32-true (TF32 off), SGD, 3 steps of 16; tolerance rtol 1e-4 atol 1e-5"
+    result = f"teacher max |diff| {diff:.2e} after {two['steps']} steps"
+    return Row("ddp 2 = 1 process", setting, result, "pass" if (moved and close) else "fail")
+
+
+def table(rows: list[Row]) -> str:
+    head = ["check", "setting", "result", "status"]
+    cells = [head, *[[r.name, r.setting, r.result, r.status] for r in rows]]
+    width = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = ["| " + " | ".join(c[i].ljust(width[i]) for i in range(4)) + " |" for c in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
+    return "\n".join(lines)
+
+
+SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
+    "precision": precision_rows,
+    "compile": lambda c: option_rows(c, "compile"),
+    "ibot": lambda c: option_rows(c, "ibot"),
+    "augment": lambda c: option_rows(c, "augment_on"),
+    "sync": lambda c: [sync_row(c)],
+    "throughput": lambda c: [throughput_row(c)],
+    "ddp": lambda c: [ddp_row(c)],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="the same rows on the CPU at tiny size")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+    args = p.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown --only {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("no CUDA device: run on a GPU machine, or use --dry-run for the CPU version of every check")
+    from ssl_xcit.cli.quiet import install_filters
+
+    install_filters()
+    start = time.perf_counter()
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        check = Check(args.dry_run, Path(tmp))
+        for name in only:
+            try:
+                rows += SECTIONS[name](check)
+            except Exception as err:  # a crash is a failed row, and the table still prints
+                rows.append(Row(name, "", f"{type(err).__name__}: {str(err).splitlines()[0][:90]}", "fail"))
+    device = "CPU dry run" if args.dry_run else torch.cuda.get_device_name(0)
+    print(f"\ngpu_check on {device}, torch {torch.__version__}, {time.perf_counter() - start:.0f} s")
+    print(table(rows))
+    return 1 if any(r.status == "fail" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
