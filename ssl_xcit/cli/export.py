@@ -1,12 +1,12 @@
-"""``ssl-xcit export CKPT OUT``: the teacher backbone of a DINO checkpoint, with the recipe that builds it.
+"""``ssl-xcit export CKPT OUT``: the teacher backbone of a DINO checkpoint, in the format OUT's extension names.
 
-The file is ``{"state_dict": ..., "hyper_parameters": {"backbone": name, "backbone_kwargs": {...}}}``: the
-state dict has the family's timm parameter names (no prefix, no DINO head), so ``torch.load(out)["state_dict"]``
-loads with ``strict=True`` into ``ssl_xcit.models.create_model(name, **backbone_kwargs)`` and into the matching
-timm model; ``build_backbone(out)`` rebuilds the exact architecture (non-default options such as
-``tokens_norm`` or a truncated ``depth`` included) from the recorded name and arguments.
-The teacher is exported because it is the better network (the DINO authors corrected their first XCiT
-backbone releases from student to teacher weights, dino#79).
+``.safetensors`` (the recommended format) and ``.pth`` hold the state dict in the family's timm parameter
+names (no prefix, no DINO head) and the recipe that rebuilds the network (registered name and
+``backbone_kwargs``): ``build_backbone(out)`` rebuilds the exact architecture (non-default options such as
+``tokens_norm`` or a truncated ``depth`` included) and the matching timm model loads the state dict with
+``strict=True``. ``.onnx`` and ``.pt2`` are traced programs for running the backbone outside this package
+(``ssl_xcit.models.export``). The teacher is exported because it is the better network (the DINO authors
+corrected their first XCiT backbone releases from student to teacher weights, dino#79).
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ def teacher_backbone_state(checkpoint: dict[str, Any], source: str = "checkpoint
     return out
 
 
-def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[Path, str]:
-    """Write the teacher backbone of ``checkpoint_path`` and its name and ``backbone_kwargs`` to ``out_path``
-    (atomically); returns (path, model name). The state dict is loaded strictly into a freshly built model
-    first, so a bad export never lands."""
+def teacher_backbone(checkpoint_path: str | Path) -> tuple[torch.nn.Module, str, dict[str, Any]]:
+    """The teacher backbone of a DINO checkpoint, built from its recorded name and ``backbone_kwargs`` and
+    loaded strictly (so a bad export never lands); returns (model, name, architecture kwargs)."""
     from ssl_xcit.models import create_model, read_checkpoint
 
     checkpoint_path = Path(checkpoint_path)
@@ -60,28 +59,83 @@ def export_teacher(checkpoint_path: str | Path, out_path: str | Path) -> tuple[P
     # iBOT's mask token is a training input, not part of the network one evaluates: the export leaves it out.
     state.pop("mask_token", None)
     model.load_state_dict(state, strict=True)
-    # Plain contiguous CPU tensors, in the model's own key order.
-    plain = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     # Only the architecture arguments: training-time ones (drop_path_rate) do not describe the weights.
     arch = {k: v for k, v in kwargs.items() if k != "drop_path_rate"}
-    record = {"state_dict": plain, "hyper_parameters": {"backbone": model.name, "backbone_kwargs": arch}}
-    return atomic_torch_save(record, out_path, private=owner_only()), name
+    return model.eval(), model.name, arch
+
+
+def export_teacher(
+    checkpoint_path: str | Path,
+    out_path: str | Path,
+    fmt: str | None = None,
+    resolution: int = 224,
+    fixed_resolution: bool = False,
+) -> tuple[Path, str]:
+    """Write the teacher backbone of ``checkpoint_path`` to ``out_path`` (atomically) in ``fmt`` (default:
+    the format of ``out_path``'s extension); returns (path, model name). ``resolution`` and
+    ``fixed_resolution`` set the example input of the ONNX and pt2 programs (see ``ssl_xcit.models.export``)."""
+    from ssl_xcit.models import export as formats
+
+    fmt = formats.resolve_format(out_path, fmt)
+    path, name, _ = _export(checkpoint_path, out_path, fmt, resolution, fixed_resolution)
+    return path, name
+
+
+def _export(
+    checkpoint_path: str | Path, out_path: str | Path, fmt: str, resolution: int, fixed_resolution: bool
+) -> tuple[Path, str, str]:
+    from ssl_xcit.models import export as formats
+
+    model, name, arch = teacher_backbone(checkpoint_path)
+    private = owner_only()
+    if fmt in ("safetensors", "pth"):
+        # Plain contiguous CPU tensors, in the model's own key order.
+        plain = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+        if fmt == "safetensors":
+            return formats.save_safetensors(plain, name, arch, out_path, private=private), name, ""
+        record = {"state_dict": plain, "hyper_parameters": {"backbone": name, "backbone_kwargs": arch}}
+        return atomic_torch_save(record, out_path, private=private), name, ""
+    writer = formats.export_onnx if fmt == "onnx" else formats.export_pt2
+    path, error = writer(model, out_path, resolution, fixed_resolution, private=private)
+    dims = "batch" if fixed_resolution else "batch and resolution"
+    check = (
+        "not checked: onnxruntime is not installed"
+        if error is None
+        else f"max relative difference to PyTorch {error:.1e}"
+    )
+    return path, name, f"; dynamic {dims}, traced at {resolution}x{resolution}; {check}"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:
+    from ssl_xcit.models.export import EXTENSIONS, FORMATS, resolve_format
+
     parser = argparse.ArgumentParser(
         prog="ssl-xcit export",
-        description="Export the teacher backbone of a DINO checkpoint (timm-compatible state dict + its model name).",
+        description="Export the teacher backbone of a DINO checkpoint: safetensors (timm-compatible state dict "
+        "+ the recipe that rebuilds it; the recommended format), .pth, ONNX or a torch.export program (.pt2).",
     )
     parser.add_argument(
         "checkpoint",
         help="Lightning checkpoint of a DINO run (e.g. runs/quickstart/version_0/checkpoints/last.ckpt)",
     )
-    parser.add_argument("out", help="output .pth file (written atomically)")
+    parser.add_argument(
+        "out",
+        help=f"output file, written atomically; its extension ({', '.join(EXTENSIONS)}) picks the format",
+    )
+    parser.add_argument("--format", choices=FORMATS, help="the format, whatever OUT's extension")
+    parser.add_argument(
+        "--resolution", type=int, default=224, help="image side the ONNX/pt2 program is traced and checked at"
+    )
+    parser.add_argument(
+        "--fixed-resolution",
+        action="store_true",
+        help="ONNX/pt2: only --resolution is accepted (needed for CrossFormer++); the batch stays dynamic",
+    )
     args = parser.parse_args(None if argv is None else list(argv))
     try:
-        path, name = export_teacher(args.checkpoint, args.out)
+        fmt = resolve_format(args.out, args.format)
+        path, name, detail = _export(args.checkpoint, args.out, fmt, args.resolution, args.fixed_resolution)
     except (FileNotFoundError, UserError) as err:
         parser.exit(2, f"ssl-xcit export: error: {err}\n")
-    print(f"exported the teacher backbone ({name}) of {args.checkpoint} to {path}")
-    return {"out": str(path), "model": name}
+    print(f"exported the teacher backbone ({name}) of {args.checkpoint} to {path} ({fmt}{detail})")
+    return {"out": str(path), "model": name, "format": fmt}

@@ -2,7 +2,8 @@
 
 Accepted sources, all through :func:`load_pretrained`:
 
-* plain state dicts in our (= timm's) naming, e.g. from ``ssl-xcit export`` or ``timm_model.state_dict()``;
+* plain state dicts in our (= timm's) naming, e.g. from ``ssl-xcit export`` or ``timm_model.state_dict()``, in
+  torch's pickle format or as ``.safetensors`` (whose metadata, written by ``ssl-xcit export``, names the backbone);
 * the official XCiT/DINO naming: ``pos_embeder.*`` and a fused class-attention ``qkv`` (split into q, k, v);
 * official BiXT and CrossFormer v1 state dicts, whose buffers for one input size (``fourier_pos_encode.pos``,
   ``attn.biases``, ``attn.relative_position_index``) are dropped: those families recompute them per input;
@@ -36,6 +37,8 @@ from ssl_xcit.models.registry import create_model, family_module, list_families,
 # DINO projection heads (`head.mlp`, `head.last_layer`; iBOT's `patch_head.*`) and classifier heads.
 _HEAD_KEY = re.compile(r"^((patch_)?head\.(mlp|last_layer)\.|head\.(weight|bias)$)")
 _CONTAINERS = ("teacher", "model", "state_dict", "student")
+# What ssl-xcit export writes besides weights: programs that run the backbone but cannot be trained or loaded.
+_PROGRAMS = {".onnx": "an ONNX model", ".pt2": "a torch.export program"}
 
 
 @dataclass
@@ -75,7 +78,8 @@ def _safe_globals() -> list[Any]:
 
 
 def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, Any]:
-    """``torch.load`` on CPU with torch's weights-only unpickler and an allow-list (:func:`_safe_globals`).
+    """``torch.load`` on CPU with torch's weights-only unpickler and an allow-list (:func:`_safe_globals`);
+    a safetensors file is read with safetensors (no unpickling at all, so ``trust`` does not apply).
 
     Args:
         path: the checkpoint file.
@@ -86,9 +90,18 @@ def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, A
         The loaded object. Raises ``FileNotFoundError`` for a missing file and a one-line ``UserError`` naming
         the file, the refused content and ``--trust-checkpoint`` when the safe load refuses it.
     """
+    from ssl_xcit.models.export import is_safetensors, read_safetensors
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
+    if path.suffix.lower() in _PROGRAMS:
+        raise UserError(
+            f"{path} is {_PROGRAMS[path.suffix.lower()]}, a traced program rather than weights: pass the "
+            ".safetensors (or .pth) that ssl-xcit export writes"
+        )
+    if is_safetensors(path):
+        return read_safetensors(path)
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,12 @@ from torch import Tensor, nn
 
 # Additive logit for padded keys; finite (as the official code) so a fully padded group gives no NaN.
 NEG_INF = -1e6
+
+
+def _cached(function: Any, *args: Any) -> Any:
+    """``function(*args)`` from its cache, except while torch.export or torch.compile traces: the tensors made
+    then are fake, and a cached fake tensor would break every later eager call."""
+    return function.__wrapped__(*args) if torch.compiler.is_compiling() else function(*args)
 
 
 @lru_cache(maxsize=64)
@@ -85,7 +92,7 @@ class DynamicPosBias(nn.Module):
 
     def forward(self, group: int) -> Tensor:
         """Bias (heads, G*G, G*G) for a G x G group."""
-        offsets, index = _relative_offsets(group)
+        offsets, index = _cached(_relative_offsets, group)
         device = self.pos_proj.weight.device
         table = self.pos3(self.pos2(self.pos1(self.pos_proj(offsets.to(device, self.pos_proj.weight.dtype)))))
         n = group * group
@@ -150,7 +157,7 @@ class CrossFormerBlock(nn.Module):
         div = group * self.interval if lda else group
         y = F.pad(self.norm1(x).view(b, height, width, c), (0, 0, 0, -width % div, 0, -height % div))
         hp, wp = y.shape[1:3]
-        mask = _padding_mask(height, width, group, self.interval, lda)
+        mask = _cached(_padding_mask, height, width, group, self.interval, lda)
         y = self.attn(_group(y, group, self.interval, lda), group, b, mask)
         y = _ungroup(y, b, hp, wp, group, self.interval, lda)[:, :height, :width].reshape(b, -1, c)
         x = x + self.drop_path(y)

@@ -1,4 +1,5 @@
-"""`ssl-xcit export` records the model name and backbone_kwargs; build_backbone rebuilds from them (every family)."""
+"""`ssl-xcit export` records the model name and backbone_kwargs (.safetensors metadata or the .pth record);
+build_backbone rebuilds from them (every family); timm's model of the same name loads the file strictly."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from ssl_xcit.cli.export import main as export_main
-from ssl_xcit.models import build_backbone, create_model
+from ssl_xcit.models import build_backbone, create_model, read_checkpoint
 
 CASES = [
     ("xcit_nano_12_p16", {"depth": 1, "tokens_norm": True}),  # nano's default is tokens_norm=False
@@ -26,15 +27,17 @@ def _fake_dino_checkpoint(path, name, kwargs):
     return teacher.eval()
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
 @pytest.mark.parametrize("name,kwargs", CASES)
-def test_export_round_trip_keeps_name_and_kwargs(tmp_path, name, kwargs):
+def test_export_round_trip_keeps_name_and_kwargs(tmp_path, name, kwargs, suffix):
     teacher = _fake_dino_checkpoint(tmp_path / "run.ckpt", name, kwargs)
-    result = export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "out.pth")])
-    assert result["model"] == name
-    saved = torch.load(tmp_path / "out.pth", weights_only=True)
+    out = tmp_path / f"out{suffix}"
+    result = export_main([str(tmp_path / "run.ckpt"), str(out)])
+    assert result["model"] == name and result["format"] == suffix[1:]
+    saved = read_checkpoint(out)
     assert saved["hyper_parameters"] == {"backbone": name, "backbone_kwargs": kwargs}
     create_model(name, **kwargs).load_state_dict(saved["state_dict"], strict=True)
-    rebuilt = build_backbone(tmp_path / "out.pth").eval()
+    rebuilt = build_backbone(out).eval()
     assert rebuilt.name == name and type(rebuilt) is type(teacher)
     x = torch.randn(1, 3, 64, 96)
     with torch.no_grad():
@@ -47,3 +50,30 @@ def test_recorded_tokens_norm_is_applied():
     plain = create_model(name, depth=1)
     assert plain.cls_attn_blocks[0].tokens_norm is False
     assert create_model(name, **kwargs).cls_attn_blocks[0].tokens_norm is True
+
+
+# (our name and kwargs, timm's name): XCiT, and the timm-native CaiT and ViT, at the size their timm model takes.
+TIMM = [
+    ("xcit_nano_12_p16", {"depth": 1}, "xcit_nano_12_p16_224", (2, 3, 64, 96)),
+    ("cait_xxs24", {"depth": 1}, "cait_xxs24_224", (2, 3, 224, 224)),
+    ("vit_small_patch16_224", {"depth": 1}, "vit_small_patch16_224", (2, 3, 224, 224)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,timm_name,size", TIMM)
+def test_timm_loads_the_safetensors_export_strictly(tmp_path, name, kwargs, timm_name, size):
+    import timm
+    from safetensors.torch import load_file
+
+    teacher = _fake_dino_checkpoint(tmp_path / "run.ckpt", name, kwargs)
+    export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "teacher.safetensors")])
+    theirs = timm.create_model(timm_name, pretrained=False, num_classes=0, **kwargs)
+    theirs.load_state_dict(load_file(str(tmp_path / "teacher.safetensors")), strict=True)
+    # timm's own reader picks safetensors by the extension.
+    again = timm.create_model(timm_name, pretrained=False, num_classes=0, **kwargs)
+    timm.models.load_checkpoint(again, str(tmp_path / "teacher.safetensors"), strict=True)
+    x = torch.randn(*size)
+    with torch.no_grad():
+        ours = teacher(x)
+        torch.testing.assert_close(theirs.eval()(x), ours, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again.eval()(x), ours, rtol=1e-5, atol=1e-5)
