@@ -9,8 +9,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ssl_xcit.evaluation import features as features_module
-from ssl_xcit.evaluation.features import FeatureConfig, check_same_classes
+from ssl_xcit.evaluation import cached
+from ssl_xcit.evaluation.checks import check_same_classes
+from ssl_xcit.evaluation.features import FeatureConfig
 from ssl_xcit.evaluation.linear.data import LinearProbeDataModule, _eval_transform
 from ssl_xcit.evaluation.linear.probe import DEFAULT_BASE_LR, DEFAULT_SWEEP_LRS, LinearProbe, write_results
 
@@ -126,7 +127,7 @@ def _run_fast(
     train_ds = build_dataset(train, transform=transform)
     val_ds = build_dataset(val, transform=transform)
     check_same_classes(train_ds.classes, val_ds.classes)
-    (tr, tr_hit), (va, va_hit), _ = features_module.split_features(
+    (tr, tr_hit), (va, va_hit), _ = cached.split_features(
         train_ds,
         val_ds,
         weights=weights,
