@@ -42,18 +42,31 @@ class FeatureConfig:
     uses for XCiT in both k-NN and linear evaluation. ``n_last_blocks=n`` concatenates the CLS embeddings
     computed from the last n XCA blocks (DINO's ViT-S linear recipe uses 4); ``avgpool_patchtokens`` appends
     the mean of the backbone's dense tokens (``forward_patch_tokens``: the final normed patch tokens for ViT and
-    CaiT, DINO's ViT-B recipe; XCiT's tokens before class attention).
+    CaiT, DINO's ViT-B recipe; XCiT's tokens before class attention). ``cls_token=False`` (with
+    ``avgpool_patchtokens``) keeps only the pooled dense tokens (``ssl-xcit embed --feature patch``).
     """
 
     n_last_blocks: int = 1
     avgpool_patchtokens: bool = False
+    cls_token: bool = True
 
     def __post_init__(self) -> None:
         if self.n_last_blocks < 1:
             raise UserError(f"n_last_blocks must be >= 1, got {self.n_last_blocks}")
+        if not self.cls_token and not self.avgpool_patchtokens:
+            raise UserError(
+                "a feature without the CLS embedding needs avgpool_patchtokens=True (else it is empty)"
+            )
+        if not self.cls_token and self.n_last_blocks != 1:
+            raise UserError(
+                f"n_last_blocks={self.n_last_blocks} picks CLS embeddings, but the feature has none "
+                "(pooled patch tokens only); leave n_last_blocks at 1"
+            )
 
     @property
     def name(self) -> str:
+        if not self.cls_token:
+            return "avgpool"
         return f"cls{self.n_last_blocks}" + ("+avgpool" if self.avgpool_patchtokens else "")
 
     def dim(self, backbone: nn.Module) -> int:
@@ -61,16 +74,17 @@ class FeatureConfig:
         dense tokens of ``dense_dim`` (not always ``embed_dim``: CrossFormer++'s are stage-3 tokens, half as wide)."""
         embed = int(getattr(backbone, "num_features", 0) or getattr(backbone, "embed_dim", 0))
         dense = int(getattr(backbone, "dense_dim", 0) or embed)
-        return embed * self.n_last_blocks + (dense if self.avgpool_patchtokens else 0)
+        cls = embed * self.n_last_blocks if self.cls_token else 0
+        return cls + (dense if self.avgpool_patchtokens else 0)
 
 
 def compute_features(
     model: nn.Module, images: torch.Tensor, config: FeatureConfig = FeatureConfig()
 ) -> torch.Tensor:
     """The (B, D) frozen feature of ``config`` for a batch of images."""
-    if config.n_last_blocks == 1 and not config.avgpool_patchtokens:
+    if config.cls_token and config.n_last_blocks == 1 and not config.avgpool_patchtokens:
         return model(images)
-    parts = list(model.get_intermediate_cls(images, config.n_last_blocks))
+    parts = list(model.get_intermediate_cls(images, config.n_last_blocks)) if config.cls_token else []
     if config.avgpool_patchtokens:
         parts.append(model.forward_patch_tokens(images)[0].mean(dim=1))
     return torch.cat(parts, dim=-1)
