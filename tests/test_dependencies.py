@@ -11,7 +11,7 @@ tomllib = pytest.importorskip("tomllib")  # standard library from Python 3.11
 
 ROOT = Path(__file__).resolve().parents[1]
 # Distribution name -> import name where they differ.
-IMPORT_NAME = {"faiss-cpu": "faiss", "pillow": "PIL", "pyyaml": "yaml"}
+IMPORT_NAME = {"faiss-cpu": "faiss", "pillow": "PIL", "pyyaml": "yaml", "scikit-learn": "sklearn"}
 # Used without an import of their own: LightningCLI parses with jsonargparse; recipes name TensorBoardLogger
 # (needs tensorboard) and RichProgressBar (needs rich) by class_path.
 INDIRECT = {"jsonargparse": "ssl_xcit/cli", "tensorboard": "TensorBoardLogger", "rich": "RichProgressBar"}

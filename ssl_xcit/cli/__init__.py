@@ -5,6 +5,7 @@
     ssl-xcit export CKPT OUT.pth                       # teacher backbone as a plain state dict
     ssl-xcit knn --weights W --train DIR --val DIR     # weighted k-NN on frozen features
     ssl-xcit linear --weights W --train DIR --val DIR  # linear probe
+    ssl-xcit embed --weights W --data DIR --output E.npz  # one embedding row per image
     ssl-xcit retrieval --weights W --dataset roxford5k --data-root D --method vlad
     ssl-xcit models                                    # list the registered backbones
 
@@ -25,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("ssl_xcit.cli.export", "main"),
     "knn": ("ssl_xcit.cli.knn", "main"),
     "linear": ("ssl_xcit.cli.linear", "main"),
+    "embed": ("ssl_xcit.cli.embed", "main"),
     "retrieval": ("ssl_xcit.cli.retrieval", "main"),
     "models": ("ssl_xcit.cli.models", "main"),
     "visualize": ("ssl_xcit.cli.visualize", "main"),

@@ -13,8 +13,8 @@ from typing import Any
 from ssl_xcit.evaluation.knn import BACKENDS, DEFAULT_KS, DEFAULT_TEMPERATURE
 
 
-def add_feature_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``knn`` and ``linear``: backbone, data, transform, cache, devices."""
+def add_backbone_arguments(parser: argparse.ArgumentParser) -> None:
+    """--weights and --arch: the frozen backbone (shared by knn, linear and embed)."""
     parser.add_argument(
         "--weights",
         default=None,
@@ -28,12 +28,10 @@ def add_feature_arguments(parser: argparse.ArgumentParser) -> None:
         help="registered backbone name (e.g. xcit_small_12_p16); inferred from the checkpoint when omitted, and "
         "checked against it when given (a checkpoint of another architecture is an error)",
     )
-    parser.add_argument(
-        "--train", required=True, help="labelled train images: an ImageFolder tree (class subfolders)"
-    )
-    parser.add_argument(
-        "--val", required=True, help="labelled val images with the same class subfolders as --train"
-    )
+
+
+def add_extraction_arguments(parser: argparse.ArgumentParser) -> None:
+    """Batching, the eval transform, the feature cache and the devices (shared by knn, linear and embed)."""
     parser.add_argument("--batch-size", type=int, default=128, help="images per device per batch (DINO: 128)")
     parser.add_argument("--num-workers", type=int, default=8, help="data-loading processes per device")
     parser.add_argument(
@@ -55,9 +53,6 @@ def add_feature_arguments(parser: argparse.ArgumentParser) -> None:
         help="concatenate the CLS embeddings of the last n blocks (1 = final CLS, DINO's XCiT feature)",
     )
     parser.add_argument(
-        "--avgpool-patchtokens", action="store_true", help="append the average-pooled final patch tokens"
-    )
-    parser.add_argument(
         "--cache-dir",
         default=None,
         help="feature cache folder (default $SSL_XCIT_CACHE/features or ~/.cache/ssl_xcit/features); entries are "
@@ -74,11 +69,27 @@ def add_feature_arguments(parser: argparse.ArgumentParser) -> None:
         "--precision", default=None, help="Lightning precision, e.g. bf16-mixed on GPU (default fp32)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of a random-init backbone (and the probe)")
-    parser.add_argument("--output", default=None, help="write the results as JSON here (atomic)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
+def add_feature_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``knn`` and ``linear``: backbone, data, transform, cache, devices."""
+    add_backbone_arguments(parser)
+    parser.add_argument(
+        "--train", required=True, help="labelled train images: an ImageFolder tree (class subfolders)"
+    )
+    parser.add_argument(
+        "--val", required=True, help="labelled val images with the same class subfolders as --train"
+    )
+    add_extraction_arguments(parser)
+    parser.add_argument(
+        "--avgpool-patchtokens", action="store_true", help="append the average-pooled final patch tokens"
+    )
+    parser.add_argument("--output", default=None, help="write the results as JSON here (atomic)")
+
+
 def parse_devices(value: str) -> int | str | list[int]:
+    """--devices as Lightning takes it: "auto", a count, or a comma-separated list of device ids."""
     if value == "auto":
         return value
     if "," in value:

@@ -2,6 +2,7 @@
 
     ssl-xcit linear --weights teacher.pth --train imagenet/train --val imagenet/val --epochs 100
     ssl-xcit linear --weights teacher.pth --train D/train --val D/val --fast      # cached features, lr sweep
+    ssl-xcit linear --weights teacher.pth --train D/train --val D/val --solver lbfgs   # CLIP's protocol
 
 The same probe through LightningCLI (configurable trainer, checkpoints, loggers):
 
@@ -32,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with one head per lr in one pass; minutes instead of hours, usually within a point of the full probe",
     )
     parser.add_argument(
+        "--solver",
+        choices=("sgd", "lbfgs"),
+        default="sgd",
+        help="sgd: DINO's probe (with --fast on cached features); lbfgs: scikit-learn's L-BFGS logistic regression "
+        "on the cached features with C swept on a held-out 20%% of train, then refit on all of it (CLIP's "
+        "linear-probe protocol; --lrs and --epochs do not apply)",
+    )
+    parser.add_argument(
         "--lrs",
         type=float,
         nargs="+",
@@ -60,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             weights=args.weights,
             arch=args.arch,
             fast=args.fast,
+            solver=args.solver,
             lrs=args.lrs,
             epochs=args.epochs,
             batch_size=args.batch_size,

@@ -1,9 +1,10 @@
 """Frozen-feature evaluation: weighted k-NN (DINO protocol), linear probe, and the feature cache they share.
 
 Importing this package loads neither Lightning nor faiss: ``knn`` imports torch and numpy (faiss only for
-``backend="faiss"``), ``cache`` torch and timm (timm's version is part of every cache key). ``features`` and
-``linear`` pull in Lightning and are imported on use (``from ssl_xcit.evaluation.features import
-extract_features``).
+``backend="faiss"``), ``cache`` torch and timm (timm's version is part of every cache key). ``features``
+(extraction), ``cached`` (extraction through the cache) and ``linear`` pull in Lightning and are imported on
+use (``from ssl_xcit.evaluation.features import extract_features``); ``keys`` (the cache key), ``checks``
+(dataset checks) and ``backbone`` (the frozen backbone) do not.
 """
 
 from __future__ import annotations

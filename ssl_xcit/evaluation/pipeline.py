@@ -11,13 +11,10 @@ from typing import Any
 import torch
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.evaluation import features as features_module
+from ssl_xcit.evaluation import cached
 from ssl_xcit.evaluation.cache import checkpoint_fingerprint
-from ssl_xcit.evaluation.features import (
-    FeatureConfig,
-    check_not_empty,
-    check_same_classes,
-)
+from ssl_xcit.evaluation.checks import check_not_empty, check_same_classes
+from ssl_xcit.evaluation.features import FeatureConfig
 from ssl_xcit.evaluation.knn import BACKENDS, DEFAULT_KS, DEFAULT_TEMPERATURE, knn_accuracy
 from ssl_xcit.evaluation.report import format_knn_table
 
@@ -90,7 +87,7 @@ def evaluate_knn(
 
     config = FeatureConfig(n_last_blocks, avgpool_patchtokens)
     t0 = time.perf_counter()
-    (tr, tr_hit), (va, va_hit), backbone = features_module.split_features(
+    (tr, tr_hit), (va, va_hit), backbone = cached.split_features(
         train_ds,
         val_ds,
         weights=weights,

@@ -20,7 +20,9 @@ def format_knn_table(results: dict[str, Any]) -> str:
 
 
 def format_linear_table(results: dict[str, Any]) -> str:
-    """Per-lr accuracies of the linear probe; the best head is starred."""
+    """Per-lr accuracies of the linear probe; the best head is starred (per C for ``--solver lbfgs``)."""
+    if results.get("mode") == "lbfgs":
+        return format_lbfgs_table(results)
     rows = results.get("per_lr", [])
     best = results.get("best", {})
     lines = [
@@ -48,3 +50,25 @@ def sweep_edge(rows: list[dict[str, Any]], best: dict[str, Any]) -> str | None:
     if best["base_lr"] == lrs[-1]:
         return "top"
     return "bottom" if best["base_lr"] == lrs[0] else None
+
+
+def format_lbfgs_table(results: dict[str, Any]) -> str:
+    """The C search of ``--solver lbfgs`` (held-out top-1 per C, best starred) and val top-1/top-5 at the best C."""
+    best = results["best"]
+    lines = [
+        f"linear probe ({results.get('feature')}, L-BFGS logistic regression, C chosen on "
+        f"{results['num_holdout']} held-out train images, mode lbfgs)",
+        f"{'C':>10} {'held-out top1':>14}",
+    ]
+    for r in results["per_C"]:
+        star = " *" if r["best"] else ""
+        lines.append(f"{r['C']:>10.3g} {r['holdout_top1']:>14.2f}{star}")
+    lines.append(f"val at C {best['C']:.3g} (refit on all {results['num_train']} train images): "
+                 f"top1 {best['top1']:.2f}  top5 {best['top5']:.2f}")  # fmt: skip
+    if results.get("c_at_edge"):
+        lines.append(f"note: the best C {best['C']:g} is at the edge of the searched range 1e-6..1e6")
+    if not best.get("converged", True):
+        lines.append(
+            "note: L-BFGS reached its iteration limit at the best C (scikit-learn ConvergenceWarning)"
+        )
+    return "\n".join(lines)

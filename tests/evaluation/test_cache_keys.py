@@ -16,7 +16,9 @@ from ssl_xcit.data import datasets
 from ssl_xcit.data.datasets import build_dataset
 from ssl_xcit.data.transforms import eval_transform
 from ssl_xcit.evaluation import cache as feature_cache
-from ssl_xcit.evaluation.features import FeatureConfig, dataset_features, feature_meta
+from ssl_xcit.evaluation.cached import dataset_features
+from ssl_xcit.evaluation.features import FeatureConfig
+from ssl_xcit.evaluation.keys import feature_meta
 from ssl_xcit.models import create_model
 
 from .helpers import ARCH

@@ -51,12 +51,12 @@ def test_knn_cli_results_and_json(knn_run, flowers_split):
 def test_knn_cli_second_run_hits_cache_and_faiss_agrees(knn_run, flowers_split, monkeypatch):
     results, out = knn_run
     train, val = flowers_split
-    import ssl_xcit.evaluation.features as features
+    import ssl_xcit.evaluation.cached as cached
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the backbone must not be built on a cache hit")
 
-    monkeypatch.setattr(features, "build_eval_backbone", forbidden)
+    monkeypatch.setattr(cached, "build_eval_backbone", forbidden)
     again = main(["knn", *small_args(train, val, out / "cache"), "--backend", "faiss"])
     assert again["feature_cache_hit"] == {"train": True, "val": True}
     for k, row in results["results"].items():
@@ -69,11 +69,9 @@ def test_knn_cli_second_run_hits_cache_and_faiss_agrees(knn_run, flowers_split, 
 def test_linear_fast_reuses_knn_cache(knn_run, flowers_split, monkeypatch, tmp_path):
     _, out = knn_run
     train, val = flowers_split
-    import ssl_xcit.evaluation.features as features
+    import ssl_xcit.evaluation.cached as cached
 
-    monkeypatch.setattr(
-        features, "build_eval_backbone", lambda *a, **k: pytest.fail("backbone built on a hit")
-    )
+    monkeypatch.setattr(cached, "build_eval_backbone", lambda *a, **k: pytest.fail("backbone built on a hit"))
     output = tmp_path / "linear.json"
     results = main(
         [

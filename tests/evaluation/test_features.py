@@ -11,7 +11,8 @@ import torch
 
 from ssl_xcit.data.datasets import ImageDataset, build_dataset
 from ssl_xcit.data.transforms import eval_transform
-from ssl_xcit.evaluation.features import FeatureConfig, compute_features, dataset_features
+from ssl_xcit.evaluation.cached import dataset_features
+from ssl_xcit.evaluation.features import FeatureConfig, compute_features
 from ssl_xcit.models import create_model
 
 from .helpers import ARCH, CROP, RESIZE

@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from ssl_xcit.evaluation.features import check_not_empty, check_same_classes
+from ssl_xcit.evaluation.checks import check_not_empty, check_same_classes
 
 
 def linear_train_transform(crop_size: int = 224):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.evaluation import features as features_module
+from ssl_xcit.evaluation import backbone as eval_backbone
 from ssl_xcit.evaluation.features import FeatureConfig, compute_features
 from ssl_xcit.evaluation.report import format_linear_table
 
@@ -88,7 +88,7 @@ class LinearProbe(pl.LightningModule):
             raise UserError(f"lrs must be positive numbers, got {lrs!r}")
         self.config = FeatureConfig(n_last_blocks, avgpool_patchtokens)
         if feature_dim is None:
-            self.backbone = features_module.build_eval_backbone(weights, arch, seed)
+            self.backbone = eval_backbone.build_eval_backbone(weights, arch, seed)
             self.feature_dim = self.config.dim(self.backbone)
         else:
             self.backbone = None

@@ -9,10 +9,14 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ssl_xcit.evaluation import features as features_module
-from ssl_xcit.evaluation.features import FeatureConfig, check_same_classes
+from ssl_xcit.errors import UserError
+from ssl_xcit.evaluation import cached
+from ssl_xcit.evaluation.checks import check_same_classes
+from ssl_xcit.evaluation.features import FeatureConfig
 from ssl_xcit.evaluation.linear.data import LinearProbeDataModule, _eval_transform
 from ssl_xcit.evaluation.linear.probe import DEFAULT_BASE_LR, DEFAULT_SWEEP_LRS, LinearProbe, write_results
+
+SOLVERS = ("sgd", "lbfgs")
 
 
 def run_linear(
@@ -22,6 +26,7 @@ def run_linear(
     weights: str | None = None,
     arch: str | None = None,
     fast: bool = False,
+    solver: str = "sgd",
     lrs: Sequence[float] | None = None,
     epochs: int = 100,
     batch_size: int = 128,
@@ -40,7 +45,12 @@ def run_linear(
     seed: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train and validate the probe, write JSON results, return them. ``fast`` trains on cached features."""
+    """Train and validate the probe, write JSON results, return them. ``fast`` trains on cached features;
+    ``solver="lbfgs"`` fits scikit-learn's logistic regression on them (:mod:`.lbfgs`) instead of SGD heads."""
+    if solver not in SOLVERS:
+        raise UserError(f"unknown solver {solver!r}; valid solvers: {', '.join(SOLVERS)}")
+    if solver == "lbfgs" and lrs is not None:
+        raise UserError("--lrs sets the SGD learning rates; --solver lbfgs sweeps C itself, so drop --lrs")
     pl.seed_everything(seed, workers=True, verbose=False)
     if lrs is None:
         lrs = DEFAULT_SWEEP_LRS if fast else (DEFAULT_BASE_LR,)
@@ -57,7 +67,24 @@ def run_linear(
         num_sanity_val_steps=0,
         deterministic=False,
     )
-    if fast:
+    if solver == "lbfgs":
+        results = _run_lbfgs(
+            train,
+            val,
+            weights=weights,
+            arch=arch,
+            n_last_blocks=n_last_blocks,
+            avgpool_patchtokens=avgpool_patchtokens,
+            crop_size=crop_size,
+            resize_size=resize_size,
+            cache_dir=cache_dir,
+            use_cache=use_cache,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            seed=seed,
+            trainer_kwargs=trainer_kwargs,
+        )
+    elif fast:
         results = _run_fast(
             train,
             val,
@@ -120,27 +147,21 @@ def _run_fast(
     seed,
     trainer_kwargs,
 ) -> dict[str, Any]:
-    from ssl_xcit.data.datasets import build_dataset
-
-    transform = _eval_transform(resize_size, crop_size)
-    train_ds = build_dataset(train, transform=transform)
-    val_ds = build_dataset(val, transform=transform)
-    check_same_classes(train_ds.classes, val_ds.classes)
-    (tr, tr_hit), (va, va_hit), _ = features_module.split_features(
-        train_ds,
-        val_ds,
+    train_ds, transform, (tr, tr_hit), (va, va_hit) = _features(
+        train,
+        val,
         weights=weights,
         arch=arch,
-        config=FeatureConfig(n_last_blocks, avgpool_patchtokens),
-        seed=seed,
+        n_last_blocks=n_last_blocks,
+        avgpool_patchtokens=avgpool_patchtokens,
+        crop_size=crop_size,
+        resize_size=resize_size,
         cache_dir=cache_dir,
         use_cache=use_cache,
         batch_size=batch_size,
         num_workers=num_workers,
-        accelerator=trainer_kwargs["accelerator"],
-        devices=trainer_kwargs["devices"],
-        precision=trainer_kwargs["precision"],
-        progress=trainer_kwargs["enable_progress_bar"],
+        seed=seed,
+        trainer_kwargs=trainer_kwargs,
     )
     model = LinearProbe(
         num_classes=len(train_ds.classes),
@@ -171,3 +192,80 @@ def _run_fast(
         transform=repr(transform),
     )
     return results
+
+
+def _features(
+    train,
+    val,
+    *,
+    weights,
+    arch,
+    n_last_blocks,
+    avgpool_patchtokens,
+    crop_size,
+    resize_size,
+    cache_dir,
+    use_cache,
+    batch_size,
+    num_workers,
+    seed,
+    trainer_kwargs,
+) -> tuple[Any, Any, tuple[dict[str, torch.Tensor], bool], tuple[dict[str, torch.Tensor], bool]]:
+    """The cached eval-transform features of both splits (shared with ``ssl-xcit knn``):
+    ``(train_dataset, transform, (train, hit), (val, hit))``."""
+    from ssl_xcit.data.datasets import build_dataset
+
+    transform = _eval_transform(resize_size, crop_size)
+    train_ds = build_dataset(train, transform=transform)
+    val_ds = build_dataset(val, transform=transform)
+    check_same_classes(train_ds.classes, val_ds.classes)
+    tr, va, _ = cached.split_features(
+        train_ds,
+        val_ds,
+        weights=weights,
+        arch=arch,
+        config=FeatureConfig(n_last_blocks, avgpool_patchtokens),
+        seed=seed,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        accelerator=trainer_kwargs["accelerator"],
+        devices=trainer_kwargs["devices"],
+        precision=trainer_kwargs["precision"],
+        progress=trainer_kwargs["enable_progress_bar"],
+    )
+    return train_ds, transform, tr, va
+
+
+def _run_lbfgs(
+    train, val, *, weights, arch, n_last_blocks, avgpool_patchtokens, seed, **extract
+) -> dict[str, Any]:
+    from ssl_xcit.evaluation.cache import checkpoint_fingerprint
+    from ssl_xcit.evaluation.linear.lbfgs import lbfgs_probe
+
+    train_ds, transform, (tr, tr_hit), (va, va_hit) = _features(
+        train,
+        val,
+        weights=weights,
+        arch=arch,
+        n_last_blocks=n_last_blocks,
+        avgpool_patchtokens=avgpool_patchtokens,
+        seed=seed,
+        **extract,
+    )
+    paths = [str(train_ds.samples[i][0]) for i in tr["indices"].tolist()]
+    results = lbfgs_probe(tr, va, paths, num_classes=len(train_ds.classes), seed=seed)
+    return {
+        "protocol": "linear",
+        "mode": "lbfgs",
+        "weights": weights,
+        "checkpoint_sha256": checkpoint_fingerprint(weights) if weights else None,
+        "arch": arch,
+        "feature": FeatureConfig(n_last_blocks, avgpool_patchtokens).name,
+        **results,
+        "num_train": int(tr["features"].shape[0]),
+        "num_val": int(va["features"].shape[0]),
+        "feature_cache_hit": {"train": tr_hit, "val": va_hit},
+        "transform": repr(transform),
+    }
