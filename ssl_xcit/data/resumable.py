@@ -40,7 +40,9 @@ class ResumableSampler(StatefulDistributedSampler):
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
