@@ -44,7 +44,9 @@ def install_filters() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
     # ModelCheckpoint(every_n_train_steps) under manual optimisation (DINO's) says the checkpoint holds the weights
     # after the step, which is what a step checkpoint should hold (the resume continues from there).
-    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train")
+    warnings.filterwarnings(
+        "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train"
+    )
 
 
 def available_cores() -> int:
