@@ -42,6 +42,11 @@ def install_filters() -> None:
             logger.addFilter(_FILTER)
     # Raised inside lightning/pytorch/utilities/_pytree.py, not by our code; nothing a user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+    # ModelCheckpoint(every_n_train_steps) under manual optimisation (DINO's) says the checkpoint holds the weights
+    # after the step, which is what a step checkpoint should hold (the resume continues from there).
+    warnings.filterwarnings(
+        "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train"
+    )
 
 
 def available_cores() -> int:

@@ -259,19 +259,26 @@ def place_run(
     elif run_dir:
         run, message, fresh = Path(run_dir).expanduser(), None, False
         run.mkdir(parents=True, exist_ok=True)
+        if subcommand == "fit" and _slurm_restarts() > 0 and (run / "checkpoints" / LAST).is_file():
+            ckpt_path, message = "last", f"SLURM job requeued: resuming {run} from its {LAST}"
     else:
         launcher = detect_launcher()
 
         def choose() -> dict[str, Any]:
+            requeued = requeued_run(root, subcommand)  # a requeued SLURM job goes on in its own run folder
+            if requeued is not None:
+                return requeued
             chosen, text, new = _choose_run(root, subcommand, ckpt_path)
+            remember_slurm_run(root, chosen, subcommand)
             return {"run": str(chosen), "message": text, "fresh": new}
 
         choice = agree(launcher, root, choose) if launcher and launcher.world_size > 1 else choose()
         run, message, fresh = Path(choice["run"]), choice["message"], choice["fresh"]
+        ckpt_path = choice.get("ckpt_path", ckpt_path)
     if ckpt_path == "last" and not fresh:
         config.ckpt_path = str(run / "checkpoints" / LAST)
         verb = "resuming" if subcommand == "fit" else "evaluating"
-        message = f"--ckpt_path last: {verb} {run} from {config.ckpt_path}"
+        message = message or f"--ckpt_path last: {verb} {run} from {config.ckpt_path}"
     elif fresh:
         config.ckpt_path = None
 
@@ -289,3 +296,49 @@ def place_run(
             args.dirpath = str(run / "checkpoints")
     make_dir(run / "checkpoints", private=owner_only())
     return run, message
+
+
+# ------------------------------------------------------------------------------------------ SLURM requeue
+def _slurm_restarts(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    return int(env.get("SLURM_RESTART_COUNT", "0") or "0") if env.get("SLURM_JOB_ID") else 0
+
+
+def _slurm_record(root: Path, env: Mapping[str, str]) -> Path:
+    job = (
+        env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID', '')}"
+    )
+    key = f"slurm-run.{job or env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 'batch')}"
+    return root / ".launches" / f"{_safe_name(key)}.json"
+
+
+def remember_slurm_run(root: Path, run: Path, subcommand: str, env: Mapping[str, str] | None = None) -> None:
+    """Inside a SLURM job, note which run folder this job (and job step) trains in, so that the job, once
+    requeued (``scontrol requeue`` after a pre-emption), finds it again: :func:`requeued_run`."""
+    env = os.environ if env is None else env
+    if subcommand != "fit" or not env.get("SLURM_JOB_ID") or _slurm_restarts(env) > 0:
+        return
+    record = _slurm_record(root, env)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    partial = record.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"run": str(run)}))
+    os.replace(partial, record)
+
+
+def requeued_run(root: Path, subcommand: str, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """For ``fit`` in a requeued SLURM job (``SLURM_RESTART_COUNT`` >= 1): the run folder its first attempt
+    recorded, resumed from its ``checkpoints/last.ckpt`` when there is one (a choice as ``place_run`` takes
+    it); None otherwise. The run's own checkpoint wins over the command line's ``--ckpt_path``: it is newer."""
+    env = os.environ if env is None else env
+    if subcommand != "fit" or _slurm_restarts(env) < 1:
+        return None
+    record = _slurm_record(root, env)
+    if not record.is_file():
+        return None
+    run = Path(json.loads(record.read_text())["run"])
+    restarts = _slurm_restarts(env)
+    if not (run / "checkpoints" / LAST).is_file():
+        message = f"SLURM job requeued ({restarts}x) before its first checkpoint: starting again in {run}"
+        return {"run": str(run), "message": message, "fresh": False}
+    message = f"SLURM job requeued ({restarts}x): resuming {run} from its {LAST}"
+    return {"run": str(run), "message": message, "fresh": False, "ckpt_path": "last"}

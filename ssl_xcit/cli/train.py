@@ -7,7 +7,8 @@ and suggests the closest valid key.
 
 What :class:`SSLXCiTCLI` adds to LightningCLI: one folder per run (``ssl_xcit.cli.rundir``: logs and
 checkpoints together, ``--run_dir``, ``--ckpt_path last`` naming the run it resumes), ``num_workers`` capped to
-the usable cores, quiet output (``ssl_xcit.cli.quiet``) and, after ``fit``, where everything is.
+the usable cores, quiet output (``ssl_xcit.cli.quiet``), a checkpoint and a clean stop on SIGTERM or SLURM's
+SIGUSR1 (``ssl_xcit.dino.preemption``) and, after ``fit``, where everything is.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from ssl_xcit.cli.errors import ShortErrorParser
 from ssl_xcit.cli.quiet import cap_workers, install_filters
 from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, inherited_run_dir, place_run
+
+PREEMPTION = "ssl_xcit.dino.preemption.PreemptionCheckpoint"
 
 
 class SSLXCiTCLI(LightningCLI):
@@ -66,6 +69,11 @@ class SSLXCiTCLI(LightningCLI):
         ):  # our summary instead of Lightning's default one (no FLOPs column, always 0 here)
             summary = Namespace(class_path="ssl_xcit.cli.quiet.CompactModelSummary", init_args=Namespace())
             callbacks.append(summary)
+            config.trainer.callbacks = callbacks
+        if self.subcommand == "fit" and not any(
+            str(getattr(cb, "class_path", "")).endswith("PreemptionCheckpoint") for cb in callbacks
+        ):  # SIGTERM / SLURM's SIGUSR1 save a checkpoint and stop (docs/cluster.md)
+            callbacks.append(Namespace(class_path=PREEMPTION, init_args=Namespace(requeue=True)))
             config.trainer.callbacks = callbacks
         for callback in callbacks:
             args = getattr(callback, "init_args", None)

@@ -7,8 +7,10 @@ than ``batch_size``; ``None`` if every item failed). The number of skipped files
 ``num_skipped`` (it counts files flagged by any DataLoader worker, see ``ssl_xcit.data.datasets``) and is
 logged as ``data/skipped_images`` by the ``SkippedImagesLogger`` callback and summarised at ``teardown``.
 
-Distributed sampling is Lightning's: ``train_dataloader`` sets ``shuffle=True`` and no sampler, and Lightning
-swaps in a ``DistributedSampler`` under DDP.
+The training loader is ``ssl_xcit.data.resumable``'s: a ``DistributedSampler`` of its own (with the trainer's
+world size and rank, so Lightning keeps it under DDP) in torchdata's ``StatefulDataLoader``, which Lightning
+checkpoints, so a run resumed from a mid-epoch checkpoint finishes that epoch in the same order, every image
+once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.utils.data import DataLoader
 from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, collate_train
 from ssl_xcit.data.device_augment import PhotometricAugment
+from ssl_xcit.data.resumable import resumable_loader
 from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
@@ -309,19 +312,30 @@ class DINODataModule(L.LightningDataModule):
     ) -> DataLoader:
         workers = self.hparams.num_workers if num_workers is None else num_workers
         persistent = self.hparams.persistent_workers if persistent_workers is None else persistent_workers
+        if train:  # checkpointed by Lightning and resumed mid-epoch exactly (ssl_xcit.data.resumable)
+            return resumable_loader(
+                dataset,
+                batch_size,
+                collate_train,
+                num_workers=workers,
+                pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
+                persistent_workers=persistent,
+                world_size=self.trainer.world_size if self.trainer is not None else 1,
+                rank=self.trainer.global_rank if self.trainer is not None else 0,
+            )
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            shuffle=train,
-            drop_last=train,
+            shuffle=False,
             num_workers=workers,
             pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
             persistent_workers=persistent and workers > 0,
-            collate_fn=collate_train if train else collate_skip_none,
+            collate_fn=collate_skip_none,
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled multi-crop batches, ``drop_last=True`` (DINO's centre and BN want full batches)."""
+        """Shuffled multi-crop batches, ``drop_last=True`` (DINO's centre and BN want full batches), from a
+        loader Lightning saves and resumes mid-epoch (``ssl_xcit.data.resumable``)."""
         if self.train_dataset is None:
             self.setup("fit")
         return self._loader(self.train_dataset, self.hparams.batch_size, train=True)

@@ -1,0 +1,166 @@
+"""Mid-epoch resume on an image folder: ``python resume_worker.py OUT_DIR WORLD_SIZE KEY=VALUE ...``.
+
+Three fits of the real ``DINODataModule`` (an unlabelled folder of ``IMAGES`` PNGs) and a tiny DINO, with
+``ModelCheckpoint(every_n_train_steps=every)`` writing ``last.ckpt``:
+
+1. ``full``: the uninterrupted run;
+2. ``crashed``: the same run, killed (an exception) right after optimiser step ``crash``;
+3. ``resumed``: ``fit(ckpt_path=last.ckpt)`` of the crashed run, to the end.
+
+Every run records, per optimiser step, the epoch and the dataset indices of its batch. Under ``torchrun
+--nproc_per_node 2`` it is a real 2-process run (gloo); each rank saves ``OUT_DIR/rank<R>.pt``.
+
+Options (``KEY=VALUE``): ``workers`` (0), ``augment`` (``cpu``), ``every`` (3), ``crash`` (7), ``epochs`` (1),
+``batch`` (4 per process), ``accumulate`` (1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from PIL import Image
+
+IMAGES = 64
+OPTIONS = {"workers": 0, "augment": "cpu", "every": 3, "crash": 7, "epochs": 1, "batch": 4, "accumulate": 1}
+
+
+def make_images(folder: Path, n: int = IMAGES) -> Path:
+    """``n`` distinct 20 px PNGs (deterministic), written once."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        path = folder / f"img_{i:03d}.png"
+        pixels = rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)
+        if not path.exists():
+            Image.fromarray(pixels).save(path)
+    return folder
+
+
+class Crash(Exception):
+    """Stands for a kill: nothing after it is saved."""
+
+
+class Record(L.Callback):
+    """``(global step after the batch, epoch, indices)`` of every training batch; raises ``Crash`` after
+    optimiser step ``crash_at``. ``saved`` is how many batches were recorded when the last checkpoint was
+    written: the crashed run's batches up to there are the ones the resumed run must not repeat."""
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        self.seen: list[tuple[int, int, list[int]]] = []
+        self.crash_at = crash_at
+        self.saved = 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saved = len(self.seen)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((trainer.global_step, trainer.current_epoch, batch[2].tolist()))
+        if self.crash_at is not None and trainer.global_step >= self.crash_at:
+            raise Crash(f"killed after step {trainer.global_step}")
+
+
+def _datamodule(root: Path, opts: dict):
+    from ssl_xcit.data import DINODataModule
+
+    workers = int(opts["workers"])
+    return DINODataModule(
+        root=str(root),
+        labelled=False,
+        batch_size=int(opts["batch"]),
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=False,
+        global_crops_size=16,
+        local_crops_number=2,
+        local_crops_size=8,
+        eval_resize=16,
+        eval_crop=16,
+        augment_on=opts["augment"],
+    )
+
+
+def _model(opts: dict):
+    from ssl_xcit.dino.module import DINO
+
+    return DINO(
+        backbone="xcit_nano_12_p8",
+        backbone_kwargs={"depth": 1},
+        drop_path_rate=0.1,  # draws from the global RNG: restored from the checkpoint
+        out_dim=32,
+        head_hidden_dim=32,
+        head_bottleneck_dim=16,
+        warmup_epochs=0,
+        lr=0.01,
+        freeze_last_layer=0,
+        accumulate_grad_batches=int(opts["accumulate"]),
+        collapse_guard="off",
+    )
+
+
+def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_path=None) -> dict:
+    L.seed_everything(0, verbose=False)
+    record = Record(crash_at)
+    # As the recipes: last.ckpt every `every` optimiser steps and at every epoch end.
+    common = dict(dirpath=out / "ckpt", filename="last", enable_version_counter=False)
+    steps = ModelCheckpoint(every_n_train_steps=int(opts["every"]), **common)
+    epochs = ModelCheckpoint(every_n_epochs=1, save_on_train_epoch_end=True, **common)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp" if world_size > 1 else "auto",
+        max_epochs=int(opts["epochs"]),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[record, steps, epochs],
+        default_root_dir=out / name,
+    )
+    model = _model(opts)
+    try:
+        trainer.fit(model, datamodule=_datamodule(out / "images", opts), ckpt_path=ckpt_path)
+    except Crash:
+        pass
+    return {
+        "seen": record.seen,
+        "saved": record.saved,
+        "global_step": trainer.global_step,
+        "student": {k: v.detach().clone() for k, v in model.student.state_dict().items()},
+        "teacher": {k: v.detach().clone() for k, v in model.teacher.state_dict().items()},
+    }
+
+
+def run(out_dir: str | Path, world_size: int, opts: dict) -> dict:
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    opts = {**OPTIONS, **opts}
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
+        make_images(out / "images")
+    if world_size > 1:  # the other rank waits for the images (the process group does not exist yet)
+        while len(list((out / "images").glob("*.png"))) < IMAGES:
+            pass
+    full = _fit(out, "full", world_size, opts)
+    crashed = _fit(out, "crashed", world_size, opts, crash_at=int(opts["crash"]))
+    checkpoint = torch.load(out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")
+    resumed = _fit(out, "resumed", world_size, opts, ckpt_path=out / "ckpt" / "last.ckpt")
+    result = {
+        "full": full,
+        "crashed": crashed,
+        "resumed": resumed,
+        "checkpoint_step": int(checkpoint["global_step"]),
+        "loader_state": checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader"),
+    }
+    torch.save(result, out / f"rank{rank}.pt")
+    return result
+
+
+if __name__ == "__main__":
+    options = dict(arg.split("=", 1) for arg in sys.argv[3:])
+    run(sys.argv[1], int(sys.argv[2]), options)
