@@ -43,12 +43,23 @@ from ssl_xcit.dino.optim import (
     get_params_groups,
 )
 from ssl_xcit.dino.schedules import Schedules, configured_batch_size, dino_schedules
-from ssl_xcit.dino.step import NUM_GLOBAL_CROPS, StepLosses, compute_losses, log_host_scalars, log_losses
-from ssl_xcit.dino.step_checks import FiniteWatch, HostAgreement
+from ssl_xcit.dino.step import (
+    NUM_GLOBAL_CROPS,
+    StepLosses,
+    check_settings,
+    compute_losses,
+    log_host_scalars,
+    log_losses,
+)
+from ssl_xcit.dino.step_checks import FiniteWatch, HostAgreement, diverged
 from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
-from ssl_xcit.errors import TrainingDiverged, UserError
+from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
 from ssl_xcit.utils.rng import capture_rng_states, restore_rng_states
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 class DINO(LightningModule):
@@ -156,23 +167,8 @@ class DINO(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        if sync_every_n_steps < 1:
-            raise UserError(f"sync_every_n_steps must be >= 1, got {sync_every_n_steps}")
-        if accumulate_grad_batches < 1:
-            raise UserError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
-        if teacher_temp <= 0 or warmup_teacher_temp <= 0 or student_temp <= 0:
-            raise UserError("temperatures must be > 0")
-        if not koleo_weight >= 0:
-            raise UserError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {koleo_weight!r}")
-        if not ibot_loss_weight >= 0:
-            raise UserError(f"ibot_loss_weight must be >= 0 (0 disables iBOT), got {ibot_loss_weight!r}")
+        check_settings(self.hparams)
         ibot_out_dim = out_dim if ibot_out_dim is None else ibot_out_dim
-        if ibot_loss_weight > 0 and not ibot_separate_head and ibot_out_dim != out_dim:
-            raise UserError(
-                f"a shared head has out_dim={out_dim} prototypes, got ibot_out_dim={ibot_out_dim}; "
-                "drop ibot_out_dim or set ibot_separate_head: true"
-            )
-
         self.ibot = ibot_loss_weight > 0
         self.student, self.teacher = student_and_teacher(
             create_model,
@@ -200,16 +196,12 @@ class DINO(LightningModule):
             centering=centering,
             num_global_crops=NUM_GLOBAL_CROPS,
         )
-        if self.ibot:
-
-            def pick(value, default):
-                return default if value is None else value
-
+        if self.ibot:  # the patch term's own temperatures default to the DINO term's (DINOv2)
             self.ibot_loss = iBOTPatchLoss(
                 ibot_out_dim,
-                warmup_teacher_temp=pick(ibot_warmup_teacher_temp, warmup_teacher_temp),
-                teacher_temp=pick(ibot_teacher_temp, teacher_temp),
-                warmup_teacher_temp_epochs=pick(ibot_warmup_teacher_temp_epochs, warmup_teacher_temp_epochs),
+                warmup_teacher_temp=_pick(ibot_warmup_teacher_temp, warmup_teacher_temp),
+                teacher_temp=_pick(ibot_teacher_temp, teacher_temp),
+                warmup_teacher_temp_epochs=_pick(ibot_warmup_teacher_temp_epochs, warmup_teacher_temp_epochs),
                 student_temp=student_temp,
                 center_momentum=center_momentum,
                 centering=centering,
@@ -410,13 +402,8 @@ class DINO(LightningModule):
         found = self._finite.read(self.trainer.strategy.all_gather)
         if found is None:
             return
-        step, value, (first, last) = found
-        raise TrainingDiverged(
-            f"DINO loss is {value} at global step {step} (epoch {self.current_epoch}; found by the check of "
-            f"steps {first}-{last}, sync_every_n_steps={self.hparams.sync_every_n_steps}); training stopped. "
-            f"Last good checkpoint: {last_checkpoint(self.trainer) or 'none saved yet'}. Resume from it with "
-            "--ckpt_path after lowering lr, using --trainer.precision 32 (fp16 is unstable for 8x8 patches), "
-            "or a lower clip_grad."
+        raise diverged(
+            found, self.current_epoch, self.hparams.sync_every_n_steps, last_checkpoint(self.trainer)
         )
 
     # ----------------------------------------------------------------------------------------- validation
