@@ -104,6 +104,10 @@ def last_checkpoint(trainer: Trainer) -> str | None:
         for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
             if path and Path(path).is_file():
                 candidates.append(Path(path))
+        # A callback names its next file before writing it: the files already in its folder count too.
+        folder = getattr(cb, "dirpath", None)
+        if folder and Path(folder).is_dir():
+            candidates.extend(p for p in Path(folder).glob("*.ckpt") if p.is_file())
     if trainer.ckpt_path and Path(trainer.ckpt_path).is_file():
         candidates.append(Path(trainer.ckpt_path))
     if not candidates:

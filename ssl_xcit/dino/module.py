@@ -27,31 +27,36 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.data.datasets import EmptyBatch
-from ssl_xcit.dino.checkpointing import last_checkpoint
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
+from ssl_xcit.dino.lifecycle import DINOLifecycle
 from ssl_xcit.dino.loss import DINOLoss
 from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
 from ssl_xcit.dino.optim import (
-    build_optimizer,
     cancel_gradients_last_layer,
     clip_gradients,
-    get_params_groups,
 )
-from ssl_xcit.dino.schedules import Schedules, configured_batch_size, dino_schedules
-from ssl_xcit.dino.step import NUM_GLOBAL_CROPS, StepLosses, compute_losses, log_host_scalars, log_losses
+from ssl_xcit.dino.schedules import Schedules
+from ssl_xcit.dino.step import (
+    NUM_GLOBAL_CROPS,
+    StepLosses,
+    check_settings,
+    compute_losses,
+    log_host_scalars,
+    log_losses,
+)
 from ssl_xcit.dino.step_checks import FiniteWatch, HostAgreement
-from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
-from ssl_xcit.errors import TrainingDiverged, UserError
+from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
-from ssl_xcit.utils.rng import capture_rng_states, restore_rng_states
 
 
-class DINO(LightningModule):
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class DINO(DINOLifecycle):
     """Self-distillation with no labels (DINO, Caron et al. 2021) for any registered backbone.
 
     Defaults are the reference ``main_dino.py`` defaults (see ``recipes/`` for the published XCiT runs).
@@ -156,23 +161,8 @@ class DINO(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        if sync_every_n_steps < 1:
-            raise UserError(f"sync_every_n_steps must be >= 1, got {sync_every_n_steps}")
-        if accumulate_grad_batches < 1:
-            raise UserError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
-        if teacher_temp <= 0 or warmup_teacher_temp <= 0 or student_temp <= 0:
-            raise UserError("temperatures must be > 0")
-        if not koleo_weight >= 0:
-            raise UserError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {koleo_weight!r}")
-        if not ibot_loss_weight >= 0:
-            raise UserError(f"ibot_loss_weight must be >= 0 (0 disables iBOT), got {ibot_loss_weight!r}")
+        check_settings(self.hparams)
         ibot_out_dim = out_dim if ibot_out_dim is None else ibot_out_dim
-        if ibot_loss_weight > 0 and not ibot_separate_head and ibot_out_dim != out_dim:
-            raise UserError(
-                f"a shared head has out_dim={out_dim} prototypes, got ibot_out_dim={ibot_out_dim}; "
-                "drop ibot_out_dim or set ibot_separate_head: true"
-            )
-
         self.ibot = ibot_loss_weight > 0
         self.student, self.teacher = student_and_teacher(
             create_model,
@@ -200,16 +190,12 @@ class DINO(LightningModule):
             centering=centering,
             num_global_crops=NUM_GLOBAL_CROPS,
         )
-        if self.ibot:
-
-            def pick(value, default):
-                return default if value is None else value
-
+        if self.ibot:  # the patch term's own temperatures default to the DINO term's (DINOv2)
             self.ibot_loss = iBOTPatchLoss(
                 ibot_out_dim,
-                warmup_teacher_temp=pick(ibot_warmup_teacher_temp, warmup_teacher_temp),
-                teacher_temp=pick(ibot_teacher_temp, teacher_temp),
-                warmup_teacher_temp_epochs=pick(ibot_warmup_teacher_temp_epochs, warmup_teacher_temp_epochs),
+                warmup_teacher_temp=_pick(ibot_warmup_teacher_temp, warmup_teacher_temp),
+                teacher_temp=_pick(ibot_teacher_temp, teacher_temp),
+                warmup_teacher_temp_epochs=_pick(ibot_warmup_teacher_temp_epochs, warmup_teacher_temp_epochs),
                 student_temp=student_temp,
                 center_momentum=center_momentum,
                 centering=centering,
@@ -227,84 +213,6 @@ class DINO(LightningModule):
         self._steps_since_read = 0
         self._compiled = False
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
-
-    # ----------------------------------------------------------------------------------------- mode, setup
-    # `train()`/`eval()` are nn.Module's: `eval()` puts student and teacher in eval mode, so `forward` (the
-    # exported network) uses BatchNorm running statistics, embeds each image independently of its batch and
-    # never moves those statistics. Training puts both back in train mode itself (`_set_training_modes`), the
-    # teacher included: in the reference its BatchNorms use batch statistics while training.
-
-    def _set_training_modes(self) -> None:
-        """Student and teacher in train mode, every submodule included. Lightning 2.6 no longer calls
-        ``.train()`` at fit start, so an earlier ``model.eval()`` (or ``teacher.backbone.eval()``) would
-        otherwise train the student without drop path and give eval-mode BatchNorm targets for the whole run."""
-        self.student.train(True)
-        self.teacher.train(True)
-
-    def on_train_start(self) -> None:
-        self._set_training_modes()
-        self._build_schedules()
-
-    def on_train_epoch_start(self) -> None:
-        # Callbacks (online k-NN, anything a user adds) may have switched modes at the previous epoch's end.
-        self._set_training_modes()
-        # A partial accumulation window must never leak into this epoch's first step.
-        self.optimizers().zero_grad(set_to_none=True)
-
-    def on_train_epoch_end(self) -> None:
-        self._read_finite()
-
-    def on_validation_model_train(self) -> None:
-        super().on_validation_model_train()
-        if self.trainer.state.fn == "fit":
-            self._set_training_modes()
-
-    def configure_model(self) -> None:
-        world_size = self.trainer.world_size  # Lightning calls this hook with the trainer attached
-        if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
-            device_type = self.trainer.strategy.root_device.type
-            self.student = convert_sync_batchnorm(self.student, device_type)
-            self.teacher = convert_sync_batchnorm(self.teacher, device_type)
-        if self.hparams.compile and not self._compiled:
-            self.student.compile_backbone()
-            self.teacher.compile_backbone()
-            self._compiled = True
-
-    def setup(self, stage: str) -> None:
-        # Every checkpoint goes through an atomic write, however the Trainer was configured.
-        from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-        from ssl_xcit.dino.checkpointing import AtomicCheckpointIO
-
-        strategy = self.trainer.strategy
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            strategy.checkpoint_io = AtomicCheckpointIO()
-
-    def configure_callbacks(self) -> list:
-        from ssl_xcit.dino.collapse import CollapseGuard
-
-        hp = self.hparams
-        guard = CollapseGuard(hp.collapse_guard, hp.collapse_patience, hp.collapse_grace_steps)
-        guard.read_every = hp.sync_every_n_steps
-        return [guard]
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.hparams.optimizer, get_params_groups(self.student))
-
-    def _build_schedules(self) -> None:
-        if self.schedules is not None:
-            return
-        trainer, hp = self.trainer, self.hparams
-        per_device = configured_batch_size(trainer.train_dataloader)
-        s = self.schedules = dino_schedules(
-            hp, trainer.max_epochs, trainer.num_training_batches, per_device, trainer.world_size
-        )
-        epochs, iters = trainer.max_epochs, s.iters_per_epoch
-        rank_zero_info(
-            f"DINO schedules: {epochs} epoch{'s' * (epochs != 1)} x {iters} step{'s' * (iters != 1)}, "
-            f"total batch {s.total_batch} ({per_device}/device x {trainer.world_size} x "
-            f"{hp.accumulate_grad_batches} accumulated), peak lr {s.peak_lr:.3g}"
-        )
 
     # ------------------------------------------------------------------------------------------- training
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -402,23 +310,6 @@ class DINO(LightningModule):
         torch._foreach_mul_(teacher_params, momentum)
         torch._foreach_add_(teacher_params, student_params, alpha=1.0 - momentum)
 
-    def _read_finite(self) -> None:
-        """The host's read of the finite-loss record (every rank at once): stop with the first bad step."""
-        self._steps_since_read = 0
-        if self._trainer is None or not self._finite.pending:
-            return
-        found = self._finite.read(self.trainer.strategy.all_gather)
-        if found is None:
-            return
-        step, value, (first, last) = found
-        raise TrainingDiverged(
-            f"DINO loss is {value} at global step {step} (epoch {self.current_epoch}; found by the check of "
-            f"steps {first}-{last}, sync_every_n_steps={self.hparams.sync_every_n_steps}); training stopped. "
-            f"Last good checkpoint: {last_checkpoint(self.trainer) or 'none saved yet'}. Resume from it with "
-            "--ckpt_path after lowering lr, using --trainer.precision 32 (fp16 is unstable for 8x8 patches), "
-            "or a lower clip_grad."
-        )
-
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         """The training loss (``compute_losses``: DINO, KoLeo and iBOT terms) on held-out multi-crop batches,
@@ -436,32 +327,3 @@ class DINO(LightningModule):
             out = self.compute_losses(crops, masks, self.trained_epoch, update_center=False)
         log_losses(self, "val", out)
         return out.total
-
-    @property
-    def trained_epoch(self) -> int:
-        """The epoch the weights belong to: ``current_epoch`` while fitting; under ``validate``/``test`` the
-        checkpoint's epoch (Lightning restores progress only for ``fit``), so the teacher temperature and the
-        k-NN label match the end-of-fit numbers."""
-        if self._restored_progress is not None and self.trainer.state.fn != "fit":
-            return self._restored_progress[0]
-        return self.current_epoch
-
-    @property
-    def trained_step(self) -> int:
-        """The optimiser steps behind the weights (``global_step``, or the checkpoint's outside ``fit``)."""
-        if self._restored_progress is not None and self.trainer.state.fn != "fit":
-            return self._restored_progress[1]
-        return self.global_step
-
-    # ------------------------------------------------------------------------------------- checkpointing
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # A checkpoint is written only after the finite record is read: none ever holds diverged weights.
-        self._read_finite()
-        # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one.
-        checkpoint["rng_states"] = capture_rng_states()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
-        # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
-        self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
-        restore_rng_states(checkpoint.get("rng_states"))

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -15,8 +16,29 @@ from ssl_xcit.dino.ibot import MaskedPatches, masked_forward
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.loss import DINOLossOutput
 from ssl_xcit.dino.transfer import scalars_to_device
+from ssl_xcit.errors import UserError
 
 NUM_GLOBAL_CROPS = 2
+
+
+def check_settings(hp: Mapping[str, Any]) -> None:
+    """A UserError naming the first of DINO's settings (``hp``, its hyperparameters) that is out of range."""
+    if hp["sync_every_n_steps"] < 1:
+        raise UserError(f"sync_every_n_steps must be >= 1, got {hp['sync_every_n_steps']}")
+    if hp["accumulate_grad_batches"] < 1:
+        raise UserError(f"accumulate_grad_batches must be >= 1, got {hp['accumulate_grad_batches']}")
+    if hp["teacher_temp"] <= 0 or hp["warmup_teacher_temp"] <= 0 or hp["student_temp"] <= 0:
+        raise UserError("temperatures must be > 0")
+    if not hp["koleo_weight"] >= 0:
+        raise UserError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {hp['koleo_weight']!r}")
+    if not hp["ibot_loss_weight"] >= 0:
+        raise UserError(f"ibot_loss_weight must be >= 0 (0 disables iBOT), got {hp['ibot_loss_weight']!r}")
+    out_dim, ibot_out_dim = hp["out_dim"], hp["ibot_out_dim"]
+    if hp["ibot_loss_weight"] > 0 and not hp["ibot_separate_head"] and ibot_out_dim not in (None, out_dim):
+        raise UserError(
+            f"a shared head has out_dim={out_dim} prototypes, got ibot_out_dim={ibot_out_dim}; "
+            "drop ibot_out_dim or set ibot_separate_head: true"
+        )
 
 
 class StepLosses(NamedTuple):

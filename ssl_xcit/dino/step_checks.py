@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ssl_xcit.errors import TrainingDiverged
+
 
 class FiniteWatch:
     """Accumulates on the device whether a loss was non-finite since the last read, with its step and value."""
@@ -54,6 +56,19 @@ class FiniteWatch:
             return None
         step, value = min(bad)
         return step, value, window
+
+
+def diverged(
+    found: tuple[int, float, tuple[int, int]], epoch: int, every: int, checkpoint: str | None
+) -> TrainingDiverged:
+    """The error for :meth:`FiniteWatch.read`'s finding, naming the step, the window and the way back."""
+    step, value, (first, last) = found
+    return TrainingDiverged(
+        f"DINO loss is {value} at global step {step} (epoch {epoch}; found by the check of steps "
+        f"{first}-{last}, sync_every_n_steps={every}); training stopped. Last good checkpoint: "
+        f"{checkpoint or 'none saved yet'}. Resume from it with --ckpt_path after lowering lr, using "
+        "--trainer.precision 32 (fp16 is unstable for 8x8 patches), or a lower clip_grad."
+    )
 
 
 class HostAgreement:

@@ -70,3 +70,25 @@ def test_loss_with_sinkhorn_uses_sk_targets_and_leaves_centre_alone():
 def test_unknown_centering_is_named():
     with pytest.raises(ValueError, match="centering must be 'ema' or 'sinkhorn_knopp', got 'sinkhorn'"):
         DINOLoss(8, centering="sinkhorn")
+
+
+def test_sinkhorn_in_float32_keeps_a_prototype_far_below_the_peak():
+    """Each prototype's own maximum is subtracted (exact: the first normalisation undoes any per-prototype
+    scale). With one global maximum a prototype 150 below it underflows float32 to an all-zero row and gets no
+    share; the float64 reference gives it its 1/K."""
+    g = torch.Generator().manual_seed(4)
+    scores = torch.randn(12, 7, generator=g) * 3
+    scores[:, 5] -= 150.0
+    ours = sinkhorn_knopp(scores, 3)
+    assert ours.dtype == torch.float32 and torch.isfinite(ours).all()
+    ref = reference_sinkhorn(scores.numpy(), 3)
+    np.testing.assert_allclose(ours.double().numpy(), ref, rtol=1e-5, atol=1e-7)
+    assert ours[:, 5].sum() > 1.0  # about its 12 / 7 after 3 rounds, where a zero row would give it 0
+
+
+def test_sinkhorn_inplace_works_in_the_callers_buffer():
+    scores = torch.randn(6, 5, generator=torch.Generator().manual_seed(5))
+    expected = sinkhorn_knopp(scores.clone())
+    out = sinkhorn_knopp(scores, inplace=True)
+    assert out.data_ptr() == scores.data_ptr()  # no (B, K) copy
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

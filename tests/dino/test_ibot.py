@@ -215,3 +215,26 @@ def test_compile_covers_the_masked_patch_pass(monkeypatch):
     finally:
         multicrop._compiled.cache_clear()
         torch._dynamo.reset()
+
+
+def test_validation_loss_is_the_training_total_and_moves_nothing(tmp_path):
+    """val/loss is compute_losses' total (DINO + KoLeo + iBOT), as train/loss; no centre or buffer moves."""
+    L.seed_everything(0)
+    model = DINO("xcit_nano_12_p8", backbone_kwargs={"depth": 1}, ibot_loss_weight=1.0, koleo_weight=0.5,
+                 warmup_epochs=0, **HEAD)  # fmt: skip
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.validate(model, DataLoader(Crops(), batch_size=8), verbose=False)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    crops = [torch.stack([Crops()[i][0][v] for i in range(8)]) for v in range(4)]
+    model.eval()
+    masks = model.draw_masks(crops[0], [torch.initial_seed() % 2**63, 0, 0, 0, 1])
+    with torch.no_grad():
+        out = model.compute_losses(crops, masks, epoch=0, update_center=False)
+    metrics = trainer.callback_metrics
+    assert float(metrics["val/loss"]) == pytest.approx(float(out.total), rel=1e-6)
+    assert float(out.total) == pytest.approx(float(out.dino.loss + 0.5 * out.koleo + out.ibot.loss), rel=1e-6)
+    assert float(metrics["val/koleo"]) > 0 and float(metrics["val/ibot_loss"]) > 0

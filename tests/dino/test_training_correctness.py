@@ -100,3 +100,16 @@ def test_accumulation_tail_does_not_leak_into_next_epoch(tiny, tmp_path):
     assert probe.grads_at_epoch_start == [False, False]
     assert len(calls) == 4  # the tail batch of each epoch is dropped, not computed
     assert torch.isfinite(model.dino_loss.center).all()
+
+
+def test_skipped_batches_are_logged(tiny, tmp_path):
+    class AllBadFirstBatch(RandomCrops):
+        def __getitem__(self, i):
+            return None if i < 4 else super().__getitem__(i)
+
+    L.seed_everything(0)
+    model = tiny.model()
+    loader = DataLoader(AllBadFirstBatch(16), batch_size=4, shuffle=False, collate_fn=collate_train)
+    trainer = tiny.trainer(tmp_path, max_epochs=1)
+    trainer.fit(model, loader)
+    assert float(trainer.callback_metrics["train/skipped_batches"]) == 1.0

@@ -1,0 +1,140 @@
+"""DINO's run around the step: train modes, compile and synced BN, schedules, the finite-loss reads, progress
+and checkpoint hooks. ``DINO`` (``ssl_xcit.dino.module``) adds the networks, the losses and the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+
+from ssl_xcit.dino.checkpointing import last_checkpoint
+from ssl_xcit.dino.optim import build_optimizer, get_params_groups
+from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
+from ssl_xcit.dino.step_checks import diverged
+from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
+from ssl_xcit.utils.rng import capture_rng_states, restore_rng_states
+
+
+class DINOLifecycle(LightningModule):
+    """The Lightning hooks of a DINO run that are not the step (attributes are set by ``DINO.__init__``)."""
+
+    # ----------------------------------------------------------------------------------------- mode, setup
+    # `train()`/`eval()` are nn.Module's: `eval()` puts student and teacher in eval mode, so `forward` (the
+    # exported network) uses BatchNorm running statistics, embeds each image independently of its batch and
+    # never moves those statistics. Training puts both back in train mode itself (`_set_training_modes`), the
+    # teacher included: in the reference its BatchNorms use batch statistics while training.
+
+    def _set_training_modes(self) -> None:
+        """Student and teacher in train mode, every submodule included. Lightning 2.6 no longer calls
+        ``.train()`` at fit start, so an earlier ``model.eval()`` (or ``teacher.backbone.eval()``) would
+        otherwise train the student without drop path and give eval-mode BatchNorm targets for the whole run."""
+        self.student.train(True)
+        self.teacher.train(True)
+
+    def on_train_start(self) -> None:
+        self._set_training_modes()
+        self._build_schedules()
+
+    def on_train_epoch_start(self) -> None:
+        # Callbacks (online k-NN, anything a user adds) may have switched modes at the previous epoch's end.
+        self._set_training_modes()
+        # A partial accumulation window must never leak into this epoch's first step.
+        self.optimizers().zero_grad(set_to_none=True)
+
+    def on_train_epoch_end(self) -> None:
+        self._read_finite()
+
+    def on_validation_model_train(self) -> None:
+        super().on_validation_model_train()
+        if self.trainer.state.fn == "fit":
+            self._set_training_modes()
+
+    def configure_model(self) -> None:
+        world_size = self.trainer.world_size  # Lightning calls this hook with the trainer attached
+        if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
+            device_type = self.trainer.strategy.root_device.type
+            self.student = convert_sync_batchnorm(self.student, device_type)
+            self.teacher = convert_sync_batchnorm(self.teacher, device_type)
+        if self.hparams.compile and not self._compiled:
+            self.student.compile_backbone()
+            self.teacher.compile_backbone()
+            self._compiled = True
+
+    def setup(self, stage: str) -> None:
+        # Every checkpoint goes through an atomic write, however the Trainer was configured.
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        from ssl_xcit.dino.checkpointing import AtomicCheckpointIO
+
+        strategy = self.trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def configure_callbacks(self) -> list:
+        from ssl_xcit.dino.collapse import CollapseGuard
+
+        hp = self.hparams
+        guard = CollapseGuard(hp.collapse_guard, hp.collapse_patience, hp.collapse_grace_steps)
+        guard.read_every = hp.sync_every_n_steps
+        return [guard]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return build_optimizer(self.hparams.optimizer, get_params_groups(self.student))
+
+    def _build_schedules(self) -> None:
+        if self.schedules is not None:
+            return
+        trainer, hp = self.trainer, self.hparams
+        per_device = configured_batch_size(trainer.train_dataloader)
+        s = self.schedules = dino_schedules(
+            hp, trainer.max_epochs, trainer.num_training_batches, per_device, trainer.world_size
+        )
+        epochs, iters = trainer.max_epochs, s.iters_per_epoch
+        rank_zero_info(
+            f"DINO schedules: {epochs} epoch{'s' * (epochs != 1)} x {iters} step{'s' * (iters != 1)}, "
+            f"total batch {s.total_batch} ({per_device}/device x {trainer.world_size} x "
+            f"{hp.accumulate_grad_batches} accumulated), peak lr {s.peak_lr:.3g}"
+        )
+
+    def _read_finite(self) -> None:
+        """The host's read of the finite-loss record (every rank at once): stop with the first bad step."""
+        self._steps_since_read = 0
+        if self._trainer is None or not self._finite.pending:
+            return
+        found = self._finite.read(self.trainer.strategy.all_gather)
+        if found is None:
+            return
+        raise diverged(
+            found, self.current_epoch, self.hparams.sync_every_n_steps, last_checkpoint(self.trainer)
+        )
+
+    @property
+    def trained_epoch(self) -> int:
+        """The epoch the weights belong to: ``current_epoch`` while fitting; under ``validate``/``test`` the
+        checkpoint's epoch (Lightning restores progress only for ``fit``), so the teacher temperature and the
+        k-NN label match the end-of-fit numbers."""
+        if self._restored_progress is not None and self.trainer.state.fn != "fit":
+            return self._restored_progress[0]
+        return self.current_epoch
+
+    @property
+    def trained_step(self) -> int:
+        """The optimiser steps behind the weights (``global_step``, or the checkpoint's outside ``fit``)."""
+        if self._restored_progress is not None and self.trainer.state.fn != "fit":
+            return self._restored_progress[1]
+        return self.global_step
+
+    # ------------------------------------------------------------------------------------- checkpointing
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint is written only after the finite record is read: none ever holds diverged weights.
+        self._read_finite()
+        # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one.
+        checkpoint["rng_states"] = capture_rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
+        # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
+        self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
+        restore_rng_states(checkpoint.get("rng_states"))
