@@ -14,23 +14,26 @@ Every process of a run must use the same folder, and the folder is chosen before
   its workers), on any number of nodes;
 - under SLURM's ``srun`` (``SLURM_PROCID``, more than one task) rank 0 chooses and writes it to
   ``<root>/.launches/<job>.<step>.<restart>``, which the other tasks wait for: ``default_root_dir`` must be
-  on a filesystem every node shares (as it must be for ``--ckpt_path``), or pass ``--run_dir``.
+  on a filesystem every node shares (as it must be for ``--ckpt_path``), or pass ``--run_dir``;
+- under MPI (``OMPI_COMM_WORLD_*``, ``PMI_*``) and any other launcher that sets ``WORLD_SIZE > 1`` with
+  ``RANK`` (Kubeflow, a user's own script) or ``NODE_RANK`` (one command per node, Lightning starting the
+  rest), rank 0 writes its choice to a file under ``<root>/.launches`` named after what the launch's
+  processes share: the MPI job (``PMIX_NAMESPACE``, ``OMPI_MCA_ess_base_jobid``) or ``MASTER_ADDR:MASTER_PORT``.
+  Such a name comes back at the next launch with the same address, so a choice is read only through a
+  handshake: every rank acknowledges the claim's nonce, rank 0 then marks it done and removes the claim, and
+  a rank that read a leftover claim sees it replaced and reads the new one.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from fsspec.utils import get_protocol
 
+from ssl_xcit.cli.launchers import Launcher, agree, detect_launcher, scheduler_launcher
 from ssl_xcit.errors import UserError
 from ssl_xcit.utils.io import make_dir, owner_only
 
@@ -44,6 +47,7 @@ _PLACED_LOGGERS = (
     "lightning.pytorch.loggers.CSVLogger",
     "lightning.pytorch.loggers.csv_logs.CSVLogger",
 )
+__all__ = ["Launcher", "detect_launcher", "inherited_run_dir", "place_run"]
 _CHECKPOINT = (
     "lightning.pytorch.callbacks.ModelCheckpoint",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint",
@@ -94,119 +98,15 @@ def _init_args(entry: Any) -> Any | None:
     return getattr(entry, "init_args", None) if hasattr(entry, "class_path") else None
 
 
-# Seconds a rank waits for rank 0's choice (rank 0 may still be importing, or listing a slow filesystem).
-AGREE_TIMEOUT_S = float(os.environ.get("SSL_XCIT_RUN_DIR_TIMEOUT", "600"))
-
-
-@dataclass(frozen=True)
-class Launcher:
-    """An external launcher that started this process as one of ``world_size``.
-
-    ``key`` names this launch, attempt included (a restarted torchrun group or a requeued SLURM job chooses
-    anew), so a choice is never read from an earlier launch.
-    """
-
-    name: str  # "torchrun" or "slurm"
-    rank: int
-    world_size: int
-    key: str
-
-
-def detect_launcher(env: Mapping[str, str] | None = None) -> Launcher | None:
-    """The external launcher of this process (torchrun, or SLURM's srun with several tasks), or None."""
-    env = os.environ if env is None else env
-    if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:  # torch.distributed.is_torchelastic_launched()
-        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        key = f"torchrun.{env['TORCHELASTIC_RUN_ID']}.{attempt}"
-        return Launcher("torchrun", int(env["RANK"]), int(env.get("WORLD_SIZE", "1")), key)
-    tasks = int(env.get("SLURM_NTASKS", "1") or "1")
-    # Lightning treats a job named bash/interactive as a shell it launches processes from (not srun tasks).
-    interactive = env.get("SLURM_JOB_NAME") in ("bash", "interactive")
-    if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env and tasks > 1 and not interactive:
-        step, restart = env.get("SLURM_STEP_ID", "0"), env.get("SLURM_RESTART_COUNT", "0")
-        key = f"slurm.{env['SLURM_JOB_ID']}.{step}.{restart}"
-        return Launcher("slurm", int(env["SLURM_PROCID"]), tasks, key)
-    return None
-
-
 def inherited_run_dir() -> str | None:
     """The run folder the launching process chose, in a DDP process Lightning started (``LOCAL_RANK`` > 0
     and ``SSL_XCIT_RUN_DIR`` set), else None. Under torchrun/SLURM every process is started alike and
     :func:`place_run` has them agree instead."""
-    started_by_lightning = os.environ.get("LOCAL_RANK", "0") != "0" and detect_launcher() is None
-    return os.environ.get(RUN_DIR_ENV) if started_by_lightning else None
-
-
-def _safe_name(key: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", key)
-
-
-def agree(launcher: Launcher, root: Path, choose: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0 runs ``choose()`` (a JSON-able dict); every rank returns that dict. An error on rank 0 is raised
-    on every rank, so none waits for a choice that never comes."""
-    if launcher.rank == 0:
-        try:
-            choice = choose()
-        except Exception as err:
-            _publish(launcher, root, {"error": str(err), "type": type(err).__name__})
-            raise
-        _publish(launcher, root, choice)
-        return choice
-    choice = _receive(launcher, root)
-    if "error" in choice:
-        kinds = {"FileNotFoundError": FileNotFoundError, "UserError": UserError, "ValueError": ValueError}
-        kind = kinds.get(choice["type"], RuntimeError)
-        raise kind(choice["error"])
-    return choice
-
-
-def _agent_store(launcher: Launcher) -> Any | None:
-    """torchrun's own TCPStore (as torch's env:// initialisation reuses it), or None outside torchrun."""
-    if launcher.name != "torchrun" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("LOCAL_RANK", "0") == "0" or RUN_DIR_ENV not in os.environ:
         return None
-    from torch.distributed import PrefixStore, TCPStore
-
-    store = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=AGREE_TIMEOUT_S),
-    )
-    return PrefixStore(f"ssl_xcit/run_dir/{launcher.key}", store)
-
-
-def _claim_file(launcher: Launcher, root: Path) -> Path:
-    return root / ".launches" / f"{_safe_name(launcher.key)}.json"
-
-
-def _publish(launcher: Launcher, root: Path, choice: dict[str, Any]) -> None:
-    text = json.dumps(choice)
-    store = _agent_store(launcher)
-    if store is not None:
-        store.set("choice", text)
-        return
-    claim = _claim_file(launcher, root)
-    claim.parent.mkdir(parents=True, exist_ok=True)
-    partial = claim.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(text)
-    os.replace(partial, claim)  # readers never see half a file
-
-
-def _receive(launcher: Launcher, root: Path) -> dict[str, Any]:
-    store = _agent_store(launcher)
-    if store is not None:
-        return json.loads(store.get("choice").decode())  # blocks until rank 0 has set it (or the timeout)
-    claim = _claim_file(launcher, root)
-    deadline = time.monotonic() + AGREE_TIMEOUT_S
-    while not claim.is_file():
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{launcher.name} rank {launcher.rank}: rank 0 did not record the run folder in {claim} within "
-                f"{AGREE_TIMEOUT_S:.0f} s; default_root_dir must be on a filesystem every node shares, or pass "
-                "--run_dir"
-            )
-        time.sleep(0.2)
-    return json.loads(claim.read_text())
+    # Lightning's children inherit the launching process's environment (a manual launch's WORLD_SIZE, RANK,
+    # NODE_RANK included) plus SSL_XCIT_RUN_DIR; only torchrun and srun start every process themselves.
+    return None if scheduler_launcher(os.environ) is not None else os.environ[RUN_DIR_ENV]
 
 
 def _choose_run(root: Path, subcommand: str, ckpt_path: str | None) -> tuple[Path, str | None, bool]:
@@ -262,7 +162,7 @@ def place_run(
         if subcommand == "fit" and _slurm_restarts() > 0 and (run / "checkpoints" / LAST).is_file():
             ckpt_path, message = "last", f"SLURM job requeued: resuming {run} from its {LAST}"
     else:
-        launcher = detect_launcher()
+        launcher = detect_launcher(num_nodes=int(getattr(trainer, "num_nodes", 1) or 1))
 
         def choose() -> dict[str, Any]:
             requeued = requeued_run(root, subcommand)  # a requeued SLURM job goes on in its own run folder

@@ -1,6 +1,7 @@
-"""One process of a launched run choosing its run folder: ``python rundir_worker.py ROOT OUT SUBCOMMAND [CKPT]``.
+"""One process of a launched run choosing its run folder:
+``python rundir_worker.py ROOT OUT SUBCOMMAND [CKPT [NUM_NODES]]``.
 
-Started by torchrun or with SLURM's variables set, it resolves the folder exactly as ``ssl-xcit fit`` does
+Started by torchrun or with a launcher's variables set (SLURM, MPI, WORLD_SIZE/RANK), it resolves the folder exactly as ``ssl-xcit fit`` does
 before any class is built (``inherited_run_dir`` + ``place_run``) and writes ``{"run", "ckpt_path", "error"}``
 to ``OUT/rank<R>.json``.
 """
@@ -17,11 +18,11 @@ from jsonargparse import Namespace
 from ssl_xcit.cli.rundir import inherited_run_dir, place_run
 
 
-def main(root: str, out: str, subcommand: str, ckpt_path: str | None = None) -> None:
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    config = Namespace(
-        trainer=Namespace(default_root_dir=root, logger=None, callbacks=None), ckpt_path=ckpt_path
-    )
+def main(root: str, out: str, subcommand: str, ckpt_path: str = "", num_nodes: str = "1") -> None:
+    names = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "NODE_RANK")
+    rank = next((os.environ[n] for n in names if n in os.environ), "0")
+    trainer = Namespace(default_root_dir=root, logger=None, callbacks=None, num_nodes=int(num_nodes))
+    config = Namespace(trainer=trainer, ckpt_path=ckpt_path or None)
     result = {"run": None, "ckpt_path": None, "error": None}
     try:
         run, _ = place_run(config, subcommand, None, inherited_run_dir())

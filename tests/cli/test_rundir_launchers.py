@@ -1,7 +1,8 @@
-"""Under torchrun or SLURM's srun without ``--run_dir`` every process joins one run folder (issue 19, item 5).
+"""Under any launcher that starts several processes (torchrun, SLURM's srun, MPI, a user's own script setting
+WORLD_SIZE and RANK or NODE_RANK) every process joins one run folder without ``--run_dir`` (issues 19 and 26).
 
 The folder is chosen before the process group exists: rank 0 chooses, and the others read its choice from
-torchrun's key-value store, or from a file under the root named after the SLURM job step.
+torchrun's key-value store, or from a file under the root named after the launch.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def _env(**extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "TORCHELASTIC_", "SSL_XCIT_RUN_DIR"))
     }
-    base = {k: v for k, v in base.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    base = {k: v for k, v in base.items() if k not in launch and not k.startswith(("OMPI_", "PMI_", "PMIX_"))}
     return {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -104,6 +106,58 @@ def test_slurm_ckpt_path_last_agrees_on_resume_and_on_the_error(tmp_path):
     assert all("--ckpt_path last: no run under" in r["error"] for r in _results(out))
 
 
+def _launch(root: Path, out: Path, envs: list[dict[str, str]], *args: str) -> None:
+    """One plain process per environment, the last one (rank 0) started last, as a user's own launcher would."""
+    procs = []
+    for extra in envs:
+        cmd = [sys.executable, str(WORKER), str(root), str(out), *args]
+        env = _env(SSL_XCIT_RUN_DIR_TIMEOUT="60", **extra)
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+
+
+def _manual(port: int, *ranks: int) -> list[dict[str, str]]:
+    common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return [{**common, "RANK": str(r), "NODE_RANK": str(r)} for r in ranks]
+
+
+@pytest.mark.distributed
+def test_manually_launched_processes_join_one_run_folder_also_when_relaunched(tmp_path):
+    root, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    _launch(root, out, _manual(29517, 1, 0), "fit")
+    assert {r["run"] for r in _results(out)} == {str(root / "version_0")}
+    assert _versions(root) == ["version_0"]
+    # The same address again (a relaunch), after a crash left a claim of its own behind: a new folder, agreed.
+    (root / ".launches" / "env.127.0.0.1_29517.json").write_text(json.dumps({"nonce": "old", "run": "x"}))
+    _launch(root, out, _manual(29517, 1, 0), "fit")
+    assert {r["run"] for r in _results(out)} == {str(root / "version_1")}
+    assert _versions(root) == ["version_0", "version_1"]
+    assert not list((root / ".launches").glob("*.json")) and not list((root / ".launches").glob("*.ack*"))
+
+
+@pytest.mark.distributed
+def test_mpi_and_node_rank_launches_join_one_run_folder(tmp_path):
+    root, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    mpi = [
+        {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2", "PMIX_NAMESPACE": "prterun-h-1@1"}
+        for r in (1, 0)
+    ]
+    _launch(root, out, mpi, "fit")
+    assert {r["run"] for r in _results(out)} == {str(root / "version_0")}
+    # One command per node (Lightning starts each node's other processes): WORLD_SIZE counts all of them.
+    nodes = [
+        {"WORLD_SIZE": "8", "NODE_RANK": str(r), "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+        for r in (1, 0)
+    ]
+    _launch(root, out, nodes, "fit", "", "2")
+    assert {r["run"] for r in _results(out)} == {str(root / "version_1")}
+    assert _versions(root) == ["version_0", "version_1"]
+
+
 def test_detect_launcher_from_the_environment():
     torchrun = {
         "TORCHELASTIC_RUN_ID": "abc",
@@ -119,3 +173,19 @@ def test_detect_launcher_from_the_environment():
     assert detect_launcher({**slurm, "SLURM_NTASKS": "1"}) is None
     assert detect_launcher({**slurm, "SLURM_JOB_NAME": "bash"}) is None
     assert detect_launcher({}) is None
+    # MPI: Open MPI, MPICH/Intel (PMI), keyed by the job they share.
+    ompi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_MCA_ess_base_jobid": "7"}
+    assert detect_launcher(ompi) == Launcher("mpi", 1, 4, "mpi.7")
+    pmi = {"PMI_RANK": "2", "PMI_SIZE": "3", "MASTER_ADDR": "n1", "MASTER_PORT": "5"}
+    assert detect_launcher(pmi) == Launcher("mpi", 2, 3, "mpi.n1:5")
+    with pytest.raises(ValueError, match=r"3 MPI processes.*pass --run_dir"):
+        detect_launcher({"PMI_RANK": "2", "PMI_SIZE": "3"})
+    # Any other launcher: WORLD_SIZE > 1 with RANK (it starts every process) or NODE_RANK (one per node).
+    kubeflow = {"WORLD_SIZE": "4", "RANK": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    assert detect_launcher(kubeflow) == Launcher("env", 3, 4, "env.job-master-0:23456")
+    per_node = {"WORLD_SIZE": "16", "NODE_RANK": "1", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
+    assert detect_launcher(per_node, num_nodes=2) == Launcher("env", 1, 2, "env.a:1")
+    assert detect_launcher(per_node, num_nodes=1) is None  # one node: Lightning starts every process
+    assert detect_launcher({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=4 but no RANK or NODE_RANK.*pass --run_dir"):
+        detect_launcher({"WORLD_SIZE": "4", "MASTER_ADDR": "a", "MASTER_PORT": "1"})
