@@ -187,3 +187,24 @@ def test_every_format_follows_the_umask(private, tmp_path, suffix):
     assert stat.S_IMODE(out.stat().st_mode) == (0o600 if private else 0o640)
     assert stat.S_IMODE(out.parent.stat().st_mode) == (0o700 if private else 0o750)
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # the temporary was renamed, not left
+
+
+class _BranchOnSize(torch.nn.Module):
+    """A network whose eager code branches on the token count: traced at one size, a program holds for one side
+    of the branch only (what XCiT's attention did before it took one path under torch.export)."""
+
+    name, family, size_multiple = "branchy", "test", 16
+
+    def forward(self, x):
+        pooled = x.mean((2, 3))
+        return pooled * 2 if x.shape[-1] * x.shape[-2] > 80 * 80 else pooled
+
+
+@pytest.mark.parametrize("fmt,message", [
+    ("onnx", r"the ONNX program differs from PyTorch by"),
+    ("pt2", r"branchy cannot be exported with torch.export: Guard failed"),
+])  # fmt: skip
+def test_the_check_catches_a_program_traced_down_one_branch(tmp_path, fmt, message):
+    with pytest.raises(UserError, match=message):
+        getattr(formats, f"export_{fmt}")(_BranchOnSize(), tmp_path / f"b.{fmt}", resolution=96)
+    assert list(tmp_path.iterdir()) == []
