@@ -3,7 +3,7 @@
 The pages are README.md, then docs/getting-started.md, then every other docs/*.md, found by globbing. Their
 ``bash`` blocks, the ``ssl-xcit ...`` code spans of their tables and their ``python`` blocks run in page order in
 one scratch folder (a command may use what an earlier one wrote: ``--ckpt_path last``, the exported
-``teacher.pth``), with the pages' placeholder paths mapped onto tiny data from ``../shared/data`` and the
+``teacher.safetensors``), with the pages' placeholder paths mapped onto tiny data from ``../shared/data`` and the
 per-command overrides of ``SHRINK`` appended (later flags win). A command the table does not know fails the test,
 naming its page: add its row when you add it. A ``python`` block that is not meant to run is marked with an
 ``<!-- excerpt -->`` line just before its fence.
@@ -48,12 +48,15 @@ _RETRIEVAL = ["--resolution", "64", "--codebook-size", "4", "--local-dim", "8", 
 SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^pip install -e \.(\s|$)", "the environment running this test was installed this way"),
     (r'^pip install -e "\.\[dev\]"$', "the environment running this test was installed this way"),
+    (r'^pip install -e "\.\[export\]"$', "the dev extra that installed this environment includes it"),
     (r"^pytest$", "this is the test suite itself"),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device$", [*_TRAIN, *_DINO, "--run_dir", "runs/device_augment"]),
     (r"^ssl-xcit fit -c recipes/(dino_xcit_\w+|dinov2_xcit_\w+|small_dataset)\.yaml ", [*_TRAIN, *_DINO, *_SHALLOW]),
     (r"^ssl-xcit validate -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO]),
+    # ONNX / pt2: traced and checked at 64 px instead of 224 (the docs' python blocks run them at 224).
+    (r"^ssl-xcit export \S+ teacher\.(onnx|pt2)$", ["--resolution", "64"]),
     (r"^ssl-xcit export ", []),
     (r"^ssl-xcit knn ", _FEATURES),
     (r"^ssl-xcit linear ", [*_FEATURES, "--epochs", "1"]),
@@ -161,7 +164,7 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
     return {
         "/data/imagenet/train": f"{d}/train", "/data/imagenet/val": f"{d}/val", "imagenet/train": f"{d}/train",
         "imagenet/val": f"{d}/val", "D/train": f"{d}/train", "D/val": f"{d}/val", "my_photos/": f"{d}/train",
-        "W": "teacher.pth", "data/roxford5k": str(oxford), "data/holidays": str(shared / "retrieval_mini" / "holidays"),
+        "W": "teacher.safetensors", "data/roxford5k": str(oxford), "data/holidays": str(shared / "retrieval_mini" / "holidays"),
         "data/train_imgs": str(root / "train_imgs.txt"),
         # docs/pictures.md draws the run of docs/make_pictures.sh; here the quickstart's stands in for it
         "runs/pictures/version_0/checkpoints/last.ckpt": "runs/quickstart/version_0/checkpoints/last.ckpt",
@@ -267,7 +270,7 @@ def test_every_page_command_runs(shared_data, tmp_path, monkeypatch):
                 f"{block.source}: command failed: {command}\n  ran: {shlex.join(argv)}"
             ) from err
     assert len(done) >= 22 and "docs/backbones.md" in ran_python
-    assert Path("teacher.pth").is_file() and json.loads(Path("knn.json").read_text())["results"]
+    assert Path("teacher.safetensors").is_file() and json.loads(Path("knn.json").read_text())["results"]
     assert json.loads(Path("results/roxf_vlad.json").read_text())["metrics"]["medium"]["n_queries"] == 1
     assert sorted(p.name for p in Path("runs/quickstart").iterdir()) == [
         "version_0"

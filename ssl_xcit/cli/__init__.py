@@ -2,7 +2,7 @@
 
     ssl-xcit fit -c recipes/quickstart.yaml          # DINO pretraining (LightningCLI)
     ssl-xcit validate -c recipes/quickstart.yaml --ckpt_path last
-    ssl-xcit export CKPT OUT.pth                       # teacher backbone as a plain state dict
+    ssl-xcit export CKPT OUT.safetensors               # teacher backbone (.safetensors, .pth, .onnx, .pt2)
     ssl-xcit knn --weights W --train DIR --val DIR     # weighted k-NN on frozen features
     ssl-xcit linear --weights W --train DIR --val DIR  # linear probe
     ssl-xcit embed --weights W --data DIR --output E.npz  # one embedding row per image

@@ -157,7 +157,7 @@ def fit_summary(trainer: Any, run_dir: Path | None) -> str:
             f"epoch {final['epoch']}, step {final['step']})"
         )
     if last is not None:
-        weights = Path(run_dir or last.parent.parent) / "teacher.pth"
+        weights = Path(run_dir or last.parent.parent) / "teacher.safetensors"
         lines.append(
             f"next: ssl-xcit export {shlex.quote(str(last))} {shlex.quote(str(weights))}\n"
             f"      ssl-xcit knn --weights {shlex.quote(str(weights))} --train DIR --val DIR"

@@ -1,8 +1,9 @@
 """Writing a backbone in the formats other tools read: safetensors, a torch ``.pth``, ONNX and ``torch.export``.
 
 * **safetensors** (the default): the state dict in timm's parameter names, plus the recipe that rebuilds the
-  network in the file's metadata (``backbone``: the registered name; ``backbone_kwargs``: a JSON object). The
-  format holds tensors and strings only, so reading it cannot run code, and timm loads it natively.
+  network in the file's metadata (``backbone``: the registered name; ``backbone_kwargs``: a JSON object;
+  ``timm_model``: timm's name of the architecture, for the families timm has). The format holds tensors and
+  strings only, so reading it cannot run code, and timm loads it natively.
 * **pth**: ``{"state_dict": ..., "hyper_parameters": {"backbone", "backbone_kwargs"}}`` through ``torch.save``.
 * **onnx**: the dynamo exporter (onnxscript); input ``images`` (B, 3, H, W), output ``embedding`` (B, D).
 * **pt2**: ``torch.export.export`` + ``torch.export.save``; ``torch.export.load(path).module()`` runs it.
@@ -41,6 +42,18 @@ STATIC_RESOLUTION = {
 
 SAFETENSORS_NAME_KEY = "backbone"
 SAFETENSORS_KWARGS_KEY = "backbone_kwargs"
+SAFETENSORS_TIMM_KEY = "timm_model"
+
+
+def timm_name(name: str) -> str | None:
+    """timm's name of the registered model ``name`` (XCiT and CaiT carry timm's ``_224`` there), or ``None``
+    for the families timm does not have (CrossFormer++, BiXT)."""
+    import timm
+
+    family = name.split("_", 1)[0]
+    if family not in ("xcit", "cait", "vit"):  # the families built with timm's parameter names
+        return None
+    return next((n for n in (name, f"{name}_224") if timm.is_model(n)), None)
 
 
 def resolve_format(out: str | os.PathLike, fmt: str | None = None) -> str:
@@ -90,6 +103,8 @@ def save_safetensors(
         ) from error
     # "format": "pt" is the tag Hugging Face loaders check for PyTorch tensors.
     metadata = {"format": "pt", SAFETENSORS_NAME_KEY: name, SAFETENSORS_KWARGS_KEY: recipe}
+    if (timm_model := timm_name(name)) is not None:
+        metadata[SAFETENSORS_TIMM_KEY] = timm_model
     data = save({k: v.detach().cpu().contiguous() for k, v in state.items()}, metadata=metadata)
     with atomic_write(path, "wb", private=private) as handle:
         handle.write(data)
@@ -135,12 +150,14 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _check_inputs(model: nn.Module, resolution: int, dynamic_resolution: bool) -> list[Tensor]:
-    """One and two images at ``resolution``; with a dynamic resolution also a smaller, non-square size."""
+    """One and two images at ``resolution``; with a dynamic resolution also a non-square size of about half the
+    tokens, so a branch taken on the token count while tracing shows up as a refused or wrong program."""
     generator = torch.Generator().manual_seed(0)
     shapes = [(1, 3, resolution, resolution), (2, 3, resolution, resolution)]
     if dynamic_resolution:
         step = getattr(model, "size_multiple", 16)
-        shapes.append((2, 3, max(2 * step, resolution - 2 * step), resolution + 2 * step))
+        half = max(2 * step, resolution // 2 // step * step)
+        shapes.append((2, 3, half, resolution + 2 * step))
     return [torch.randn(*shape, generator=generator) for shape in shapes]
 
 
@@ -154,7 +171,8 @@ def _checked(model: nn.Module, run: Any, inputs: list[Tensor], label: str) -> fl
     for x in inputs:
         with torch.no_grad():
             want = model(x)
-        got = torch.as_tensor(run(x))
+        with torch.no_grad():
+            got = torch.as_tensor(run(x)).detach()
         if got.shape != want.shape:
             raise UserError(
                 f"the {label} gives shape {tuple(got.shape)} for {tuple(x.shape)}, PyTorch {tuple(want.shape)}"
@@ -167,7 +185,7 @@ def _checked(model: nn.Module, run: Any, inputs: list[Tensor], label: str) -> fl
     return worst
 
 
-def _dynamic_shapes(model: nn.Module, dynamic_resolution: bool) -> tuple[dict[int, Any]]:
+def _dynamic_shapes(dynamic_resolution: bool) -> tuple[dict[int, Any]]:
     from torch.export import Dim
 
     dims = {0: Dim.DYNAMIC}
@@ -227,7 +245,7 @@ def export_onnx(
     try:
         with _quiet(), torch.no_grad():
             program = torch.onnx.export(
-                model, (example,), dynamo=True, dynamic_shapes=_dynamic_shapes(model, dynamic),
+                model, (example,), dynamo=True, dynamic_shapes=_dynamic_shapes(dynamic),
                 input_names=["images"], output_names=["embedding"], verbose=False,
             )  # fmt: skip
     except Exception as error:  # noqa: BLE001 - the exporter's many error types, reported in one line
@@ -256,7 +274,7 @@ def _export_program(model: nn.Module, example: Tensor, dynamic: bool, oblivious:
     import torch.fx.experimental._config as fx_config
 
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=oblivious):
-        return torch.export.export(model, (example,), dynamic_shapes=_dynamic_shapes(model, dynamic))
+        return torch.export.export(model, (example,), dynamic_shapes=_dynamic_shapes(dynamic))
 
 
 def export_pt2(

@@ -151,7 +151,9 @@ class XCA(nn.Module):
         batch, tokens, channels = x.shape
         attn, v = self.attention(x)
         head_dim = channels // self.num_heads
-        if tokens > channels:
+        # A traced program must hold for every resolution, so torch.export takes the plain product, which is
+        # right for any N (a branch on N would become a guard that refuses the other sizes).
+        if not torch.compiler.is_exporting() and tokens > channels:
             # out[n, h*d + i] = sum_j attn[h, i, j] v[n, h*d + j], then proj. Both steps are linear in v, so one
             # (C x C) matrix per image does both: it costs C*C*d instead of N*C*d multiply-adds and skips the
             # N x C intermediate and its permuted copy, which pays off once N > C (high resolutions).

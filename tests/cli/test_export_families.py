@@ -63,10 +63,13 @@ TIMM = [
 @pytest.mark.parametrize("name,kwargs,timm_name,size", TIMM)
 def test_timm_loads_the_safetensors_export_strictly(tmp_path, name, kwargs, timm_name, size):
     import timm
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     teacher = _fake_dino_checkpoint(tmp_path / "run.ckpt", name, kwargs)
     export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "teacher.safetensors")])
+    with safe_open(str(tmp_path / "teacher.safetensors"), framework="pt") as handle:
+        assert handle.metadata()["timm_model"] == timm_name
     theirs = timm.create_model(timm_name, pretrained=False, num_classes=0, **kwargs)
     theirs.load_state_dict(load_file(str(tmp_path / "teacher.safetensors")), strict=True)
     # timm's own reader picks safetensors by the extension.
@@ -77,3 +80,13 @@ def test_timm_loads_the_safetensors_export_strictly(tmp_path, name, kwargs, timm
         ours = teacher(x)
         torch.testing.assert_close(theirs.eval()(x), ours, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(again.eval()(x), ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,kwargs", CASES[3:])
+def test_families_timm_lacks_record_no_timm_name(tmp_path, name, kwargs):
+    from safetensors import safe_open
+
+    _fake_dino_checkpoint(tmp_path / "run.ckpt", name, kwargs)
+    export_main([str(tmp_path / "run.ckpt"), str(tmp_path / "teacher.safetensors")])
+    with safe_open(str(tmp_path / "teacher.safetensors"), framework="pt") as handle:
+        assert set(handle.metadata()) == {"format", "backbone", "backbone_kwargs"}

@@ -1,5 +1,5 @@
 """`ssl-xcit export` to ONNX and torch.export: the program read back from disk (onnxruntime on CPU,
-``torch.export.load``) gives PyTorch's embedding within 1e-4 relative, at two batch sizes and two resolutions,
+``torch.export.load``) gives PyTorch's embedding within 1e-4 relative, at two batch sizes and three resolutions,
 for every family; the format comes from the extension or ``--format``; every file is atomic and follows the umask.
 """
 
@@ -33,7 +33,9 @@ DYNAMIC = [
     for case in FAMILIES
     if not case[0].startswith("crossformerpp")
 ]
-SIZES = [(1, 64, 64), (3, 96, 128)]  # (batch, height, width): two batch sizes, two resolutions
+# (batch, height, width): two batch sizes, three resolutions; the largest has more tokens than XCiT-N has
+# channels (196 > 128), where XCiT's attention takes its other branch in eager mode.
+SIZES = [(1, 64, 64), (3, 96, 128), (1, 224, 224)]
 
 
 def _model(name, kwargs):
@@ -185,3 +187,24 @@ def test_every_format_follows_the_umask(private, tmp_path, suffix):
     assert stat.S_IMODE(out.stat().st_mode) == (0o600 if private else 0o640)
     assert stat.S_IMODE(out.parent.stat().st_mode) == (0o700 if private else 0o750)
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # the temporary was renamed, not left
+
+
+class _BranchOnSize(torch.nn.Module):
+    """A network whose eager code branches on the token count: traced at one size, a program holds for one side
+    of the branch only (what XCiT's attention did before it took one path under torch.export)."""
+
+    name, family, size_multiple = "branchy", "test", 16
+
+    def forward(self, x):
+        pooled = x.mean((2, 3))
+        return pooled * 2 if x.shape[-1] * x.shape[-2] > 80 * 80 else pooled
+
+
+@pytest.mark.parametrize("fmt,message", [
+    ("onnx", r"the ONNX program differs from PyTorch by"),
+    ("pt2", r"branchy cannot be exported with torch.export: Guard failed"),
+])  # fmt: skip
+def test_the_check_catches_a_program_traced_down_one_branch(tmp_path, fmt, message):
+    with pytest.raises(UserError, match=message):
+        getattr(formats, f"export_{fmt}")(_BranchOnSize(), tmp_path / f"b.{fmt}", resolution=96)
+    assert list(tmp_path.iterdir()) == []

@@ -74,4 +74,4 @@ def test_fit_output_is_quiet(tmp_path, image_folder, caplog, capsys):
     run = tmp_path / "runs" / "version_0"
     assert f"run folder: {run}" in text and f"last checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in text
     assert "kept checkpoints: epoch=0000.ckpt" in text and "final online k-NN top-1: " in text
-    assert f"next: ssl-xcit export {run / 'checkpoints' / 'last.ckpt'} {run / 'teacher.pth'}" in text
+    assert f"next: ssl-xcit export {run / 'checkpoints' / 'last.ckpt'} {run / 'teacher.safetensors'}" in text
