@@ -60,7 +60,9 @@ def test_a_mid_epoch_state_resumes_the_same_epoch_in_a_fresh_loader(workers):
 
 def test_a_state_from_another_world_size_is_refused_naming_both():
     state = ResumableSampler(Items(40), num_replicas=2, rank=0).state_dict()
-    with pytest.raises(UserError, match=r"saved mid-epoch with 2 process\(es\) on 40 .* this run has 1 on 40"):
+    with pytest.raises(
+        UserError, match=r"saved mid-epoch with 2 process\(es\) on 40 .* this run has 1 on 40"
+    ):
         ResumableSampler(Items(40), num_replicas=1, rank=0).load_state_dict(state)
     with pytest.raises(UserError, match=r"on 40 training images, but this run has 2 on 41"):
         ResumableSampler(Items(41), num_replicas=2, rank=0).load_state_dict(state)

@@ -13,7 +13,7 @@ import torch
 
 from ssl_xcit.data.datasets import collate_train
 from ssl_xcit.data.resumable import resumable_loader
-from ssl_xcit.dino.preemption import PreemptionCheckpoint, Preempted, slurm_job_id
+from ssl_xcit.dino.preemption import Preempted, PreemptionCheckpoint, slurm_job_id
 
 
 class SignalAt(L.Callback):
@@ -70,5 +70,7 @@ def test_outside_a_fit_the_previous_handler_runs():
 
 def test_slurm_job_id_names_an_array_task_as_scontrol_takes_it():
     assert slurm_job_id({"SLURM_JOB_ID": "17"}) == "17"
-    assert slurm_job_id({"SLURM_JOB_ID": "18", "SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "2"}) == "9_2"
+    assert (
+        slurm_job_id({"SLURM_JOB_ID": "18", "SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "2"}) == "9_2"
+    )
     assert slurm_job_id({}) is None
