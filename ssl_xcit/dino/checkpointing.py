@@ -70,20 +70,38 @@ def _save_remote(checkpoint: dict[str, Any], path: _PATH, storage_options: dict[
 
 
 def dino_checkpoints(
-    dirpath: _PATH | None = None, every_n_epochs: int = 20, filename: str = "{epoch:04d}"
+    dirpath: _PATH | None = None,
+    every_n_epochs: int = 20,
+    filename: str = "{epoch:04d}",
+    every_n_train_steps: int | None = None,
 ) -> list[ModelCheckpoint]:
     """Stock ``ModelCheckpoint`` instances for DINO: ``last.ckpt`` rewritten after every epoch (for
-    ``--ckpt_path last``) and a kept ``epoch=NNNN.ckpt`` every ``every_n_epochs`` epochs. No metric is monitored
-    (the DINO loss is not a model-selection signal). The recipes list the same two callbacks in YAML.
+    ``--ckpt_path last``) and, with ``every_n_train_steps``, every that many optimiser steps too (a resume from
+    it continues the epoch exactly: docs/cluster.md), and a kept ``epoch=NNNN.ckpt`` every ``every_n_epochs``
+    epochs. No metric is monitored (the DINO loss is not a model-selection signal). The recipes list the same
+    callbacks in YAML.
 
-    Two instances because Lightning's ``save_last`` only refreshes ``last.ckpt`` on epochs where a periodic copy
-    is saved; with ``every_n_epochs=1`` one instance does both (two would share a callback state key).
+    Separate instances because Lightning's ``save_last`` only refreshes ``last.ckpt`` on epochs where a periodic
+    copy is saved, and one instance cannot save both by steps and by epochs; with ``every_n_epochs=1`` one
+    instance keeps the copies and the epoch's ``last.ckpt`` (two would share a callback state key).
     """
     if every_n_epochs < 1:
         raise UserError(f"every_n_epochs must be >= 1, got {every_n_epochs}")
+    if every_n_train_steps is not None and every_n_train_steps < 1:
+        raise UserError(f"every_n_train_steps must be >= 1 (or None for none), got {every_n_train_steps}")
+    steps = []
+    if every_n_train_steps is not None:
+        steps = [
+            ModelCheckpoint(
+                dirpath=dirpath,
+                filename="last",
+                every_n_train_steps=every_n_train_steps,
+                enable_version_counter=False,
+            )
+        ]
     common = dict(dirpath=dirpath, every_n_epochs=1, save_on_train_epoch_end=True)
     if every_n_epochs == 1:
-        return [ModelCheckpoint(filename=filename, save_top_k=-1, save_last=True, **common)]
+        return [*steps, ModelCheckpoint(filename=filename, save_top_k=-1, save_last=True, **common)]
     # save_top_k=1 with no monitor keeps one file; a fixed name without a version counter overwrites it.
     last = ModelCheckpoint(filename="last", save_top_k=1, enable_version_counter=False, **common)
     keep = ModelCheckpoint(
@@ -93,7 +111,7 @@ def dino_checkpoints(
         save_top_k=-1,
         save_on_train_epoch_end=True,
     )
-    return [last, keep]
+    return [*steps, last, keep]
 
 
 def last_checkpoint(trainer: Trainer) -> str | None:

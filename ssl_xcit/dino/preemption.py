@@ -114,7 +114,7 @@ class PreemptionCheckpoint(L.Callback):
         if threading.current_thread() is threading.main_thread():
             for signum, previous in self._previous.items():
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous = {}
+        # `_previous` stays: Lightning's teardown may put this handler back, which then passes signals on.
 
     # --------------------------------------------------------------------------------------------- hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import RandomSampler
 
 from ssl_xcit.data import datamodule as dm_module
 from ssl_xcit.data.datamodule import DINODataModule, SkippedImagesLogger
+from ssl_xcit.data.resumable import ResumableSampler
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 
 SMALL_CROPS = dict(
@@ -42,7 +42,9 @@ def test_end_to_end_on_a_tiny_imagefolder(tmp_path):
     dm.setup("fit")
     assert len(dm.train_dataset) == 8 and len(dm.val_dataset) == 4 and dm.num_crops == 4
     loader = dm.train_dataloader()
-    assert loader.drop_last and isinstance(loader.sampler, RandomSampler) and loader.batch_size == 4
+    # Shuffled by the resumable sampler (ssl_xcit.data.resumable), which Lightning checkpoints.
+    assert loader.drop_last and isinstance(loader.sampler, ResumableSampler) and loader.sampler.shuffle
+    assert loader.batch_size == 4 and (loader.sampler.num_replicas, loader.sampler.rank) == (1, 0)
     assert not loader.persistent_workers  # only with workers
     crops, labels, indices = next(iter(loader))
     assert [tuple(c.shape) for c in crops] == [(4, 3, 16, 16)] * 2 + [(4, 3, 8, 8)] * 2

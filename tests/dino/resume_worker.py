@@ -11,7 +11,8 @@ Every run records, per optimiser step, the epoch and the dataset indices of its 
 --nproc_per_node 2`` it is a real 2-process run (gloo); each rank saves ``OUT_DIR/rank<R>.pt``.
 
 Options (``KEY=VALUE``): ``workers`` (0), ``augment`` (``cpu``), ``every`` (3), ``crash`` (7), ``epochs`` (1),
-``batch`` (4 per process), ``accumulate`` (1).
+``batch`` (4 per process), ``accumulate`` (1), ``old`` (1: the checkpoint loses its loader position, as one
+written before the resumable loader; one process only).
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from PIL import Image
 
 IMAGES = 64
-OPTIONS = {"workers": 0, "augment": "cpu", "every": 3, "crash": 7, "epochs": 1, "batch": 4, "accumulate": 1}
+OPTIONS = {
+    "workers": 0,
+    "augment": "cpu",
+    "every": 3,
+    "crash": 7,
+    "epochs": 1,
+    "batch": 4,
+    "accumulate": 1,
+    "old": "0",
+}
 
 
 def make_images(folder: Path, n: int = IMAGES) -> Path:
@@ -149,13 +159,18 @@ def run(out_dir: str | Path, world_size: int, opts: dict) -> dict:
     full = _fit(out, "full", world_size, opts)
     crashed = _fit(out, "crashed", world_size, opts, crash_at=int(opts["crash"]))
     checkpoint = torch.load(out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")
+    loader_state = checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader")
+    if opts["old"] == "1":  # as a checkpoint from before the resumable loader: no loader position
+        del checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        if rank == 0:
+            torch.save(checkpoint, out / "ckpt" / "last.ckpt")
     resumed = _fit(out, "resumed", world_size, opts, ckpt_path=out / "ckpt" / "last.ckpt")
     result = {
         "full": full,
         "crashed": crashed,
         "resumed": resumed,
         "checkpoint_step": int(checkpoint["global_step"]),
-        "loader_state": checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader"),
+        "loader_state": loader_state,
     }
     torch.save(result, out / f"rank{rank}.pt")
     return result

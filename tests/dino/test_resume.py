@@ -110,6 +110,30 @@ def test_resume_with_workers_sees_every_image_once(tmp_path):
     _assert_exactly_once([result], epochs=2)
 
 
+def test_a_checkpoint_without_the_loaders_position_still_resumes(tmp_path):
+    """A mid-epoch checkpoint from before this loader (no loader state): the fit goes on from its step to
+    the epoch's end, with a new order for the remaining batches (as before), and no error."""
+    result = _single(tmp_path, every=3, crash=7, old=1)
+    assert result["loader_state"] is not None  # what was written, before it was removed
+    seen = result["resumed"]["seen"]
+    assert [s for s, _, _ in seen] == list(range(7, 17)) and result["resumed"]["global_step"] == 16
+    assert all(len(indices) == 4 for _, _, indices in seen)
+
+
+def test_dino_checkpoints_adds_the_step_checkpoint_of_the_recipes(tmp_path):
+    from ssl_xcit.dino.checkpointing import dino_checkpoints
+    from ssl_xcit.errors import UserError
+
+    for every_n_epochs in (1, 20):
+        callbacks = dino_checkpoints(tmp_path, every_n_epochs=every_n_epochs, every_n_train_steps=500)
+        assert callbacks[0].filename == "last" and callbacks[0]._every_n_train_steps == 500
+        assert all(c._every_n_train_steps == 0 for c in callbacks[1:])
+        assert len({c.state_key for c in callbacks}) == len(callbacks)
+    assert all(c._every_n_train_steps == 0 for c in dino_checkpoints(tmp_path))
+    with pytest.raises(UserError, match="every_n_train_steps must be >= 1 .* got 0"):
+        dino_checkpoints(tmp_path, every_n_train_steps=0)
+
+
 @pytest.mark.distributed
 def test_two_processes_resume_mid_epoch_exactly(tmp_path):
     """2 gloo processes, 4 images each per step (8 steps an epoch); the checkpoint after step 9 is in epoch 1.
