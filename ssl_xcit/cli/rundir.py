@@ -26,14 +26,16 @@ Every process of a run must use the same folder, and the folder is chosen before
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fsspec.utils import get_protocol
 
-from ssl_xcit.cli.launchers import Launcher, agree, detect_launcher, scheduler_launcher
+from ssl_xcit.cli.launchers import Launcher, _safe_name, agree, detect_launcher, scheduler_launcher
 from ssl_xcit.errors import UserError
 from ssl_xcit.utils.io import make_dir, owner_only
 
