@@ -243,7 +243,7 @@ class DINO(DINOLifecycle):
         window_end = (batch_idx + 1) % accumulate == 0
         opt = self.optimizers()
         lr, wd, momentum = self.schedules.at(self.global_step)
-        crops = self._readable_crops(batch, NUM_GLOBAL_CROPS)
+        crops = self._readable_crops(batch)
         if crops is None:  # every rank skips this batch
             self.skipped_batches += 1
             if window_end:
@@ -273,15 +273,16 @@ class DINO(DINOLifecycle):
             self._read_finite()
         return out.total.detach()
 
-    def _readable_crops(self, batch: Any, needed: int) -> list[torch.Tensor] | None:
-        """The batch's crops, or None on every rank when any rank has fewer than ``needed`` (every image
-        unreadable: EmptyBatch or None). The ranks agree on the host, so none waits in a collective
-        (centre and Sinkhorn all-reduces, DDP's gradient reduction, synced BN) another never enters."""
+    def _readable_crops(self, batch: Any, skip_single_view: bool = False) -> list[torch.Tensor] | None:
+        """The batch's crops, or None on every rank when any rank has no readable image (EmptyBatch or None)
+        or, with ``skip_single_view``, fewer than 3 crops (an evaluation transform). The ranks agree on the
+        host, so none waits in a collective (centre and Sinkhorn all-reduces, DDP's gradient reduction,
+        synced BN) another never enters."""
         empty = batch is None or isinstance(batch, EmptyBatch)
         crops = [] if empty else crops_from_batch(batch)
-        if self._agree.any(len(crops) < needed):
+        if self._agree.any(empty or (skip_single_view and len(crops) < NUM_GLOBAL_CROPS + 1)):
             return None
-        if self.trainer.training and len(crops) < NUM_GLOBAL_CROPS:
+        if len(crops) < NUM_GLOBAL_CROPS:
             raise UserError(
                 f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
             )
@@ -316,7 +317,7 @@ class DINO(DINOLifecycle):
         with centres, BatchNorm statistics and the training mask draws untouched. Single-view batches (an
         evaluation transform) have no loss and are skipped, as are batches with no readable image; the ranks
         skip together, as in training."""
-        crops = self._readable_crops(batch, NUM_GLOBAL_CROPS + 1)
+        crops = self._readable_crops(batch, skip_single_view=True)
         if crops is None:
             return None
         masks = None
