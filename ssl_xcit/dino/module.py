@@ -52,6 +52,10 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
 
 
+def _floats(pair: tuple[Any, Any] | None) -> tuple[float, float] | None:
+    return None if pair is None else (float(pair[0]), float(pair[1]))
+
+
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -204,10 +208,9 @@ class DINO(DINOLifecycle):
         self.ibot_out_dim = ibot_out_dim
         self.schedules: Schedules | None = None
         self.skipped_batches = 0  # batches skipped because a rank had no readable image
-        # (teacher entropy, KL to uniform) of the last step, device tensors: the collapse guard reads them
-        # every sync_every_n_steps steps.
-        self.last_collapse_signals: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.last_patch_collapse_signals: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (teacher entropy, KL to uniform) of the last step as device tensors, for the DINO and iBOT terms:
+        # the collapse guard reads them every sync_every_n_steps steps.
+        self.signal_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._finite = FiniteWatch()
         self._agree = HostAgreement()
         self._steps_since_read = 0
@@ -265,13 +268,30 @@ class DINO(DINOLifecycle):
             self._optimizer_step(opt, momentum)
         log_losses(self, "train", out)
         log_host_scalars(self, lr, wd, momentum)
-        self.last_collapse_signals = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
+        self.signal_tensors["dino"] = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
         if out.ibot is not None:
-            self.last_patch_collapse_signals = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
+            self.signal_tensors["ibot"] = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
         self._steps_since_read += 1
         if self._steps_since_read >= self.hparams.sync_every_n_steps:
             self._read_finite()
         return out.total.detach()
+
+    # The last step's collapse signals as floats, for callbacks and benchmarks: reading waits for the device.
+    @property
+    def last_collapse_signals(self) -> tuple[float, float] | None:
+        return _floats(self.signal_tensors.get("dino"))
+
+    @last_collapse_signals.setter
+    def last_collapse_signals(self, value: tuple[Any, Any]) -> None:
+        self.signal_tensors["dino"] = value
+
+    @property
+    def last_patch_collapse_signals(self) -> tuple[float, float] | None:
+        return _floats(self.signal_tensors.get("ibot"))
+
+    @last_patch_collapse_signals.setter
+    def last_patch_collapse_signals(self, value: tuple[Any, Any]) -> None:
+        self.signal_tensors["ibot"] = value
 
     def _readable_crops(self, batch: Any, skip_single_view: bool = False) -> list[torch.Tensor] | None:
         """The batch's crops, or None on every rank when any rank has no readable image (EmptyBatch or None)
