@@ -64,10 +64,18 @@ def _gather_rows(trainer: Trainer, rows: torch.Tensor) -> list[list[list[float]]
 def _terms(pl_module: LightningModule) -> list[tuple[str, tuple[Any, Any], int]]:
     """``(name, (entropy, KL), K)`` of each watched term: DINO's, and iBOT's patch term when it runs."""
     terms = []
-    signals = getattr(pl_module, "last_collapse_signals", None)
+    # DINO keeps the signals as device tensors (`signal_tensors`); its `last_*` properties read them back.
+    tensors = getattr(pl_module, "signal_tensors", None)
+    signals = (
+        tensors.get("dino") if tensors is not None else getattr(pl_module, "last_collapse_signals", None)
+    )
     if signals is not None:
         terms.append(("dino", signals, pl_module.hparams.out_dim))
-    patch = getattr(pl_module, "last_patch_collapse_signals", None)
+    patch = (
+        tensors.get("ibot")
+        if tensors is not None
+        else getattr(pl_module, "last_patch_collapse_signals", None)
+    )
     if patch is not None:
         terms.append(("ibot", patch, pl_module.ibot_out_dim))
     return terms

@@ -52,6 +52,10 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
 
 
+def _floats(pair: tuple[Any, Any] | None) -> tuple[float, float] | None:
+    return None if pair is None else (float(pair[0]), float(pair[1]))
+
+
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -204,10 +208,9 @@ class DINO(DINOLifecycle):
         self.ibot_out_dim = ibot_out_dim
         self.schedules: Schedules | None = None
         self.skipped_batches = 0  # batches skipped because a rank had no readable image
-        # (teacher entropy, KL to uniform) of the last step, device tensors: the collapse guard reads them
-        # every sync_every_n_steps steps.
-        self.last_collapse_signals: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.last_patch_collapse_signals: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (teacher entropy, KL to uniform) of the last step as device tensors, for the DINO and iBOT terms:
+        # the collapse guard reads them every sync_every_n_steps steps.
+        self.signal_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._finite = FiniteWatch()
         self._agree = HostAgreement()
         self._steps_since_read = 0
@@ -243,7 +246,7 @@ class DINO(DINOLifecycle):
         window_end = (batch_idx + 1) % accumulate == 0
         opt = self.optimizers()
         lr, wd, momentum = self.schedules.at(self.global_step)
-        crops = self._readable_crops(batch, NUM_GLOBAL_CROPS)
+        crops = self._readable_crops(batch)
         if crops is None:  # every rank skips this batch
             self.skipped_batches += 1
             if window_end:
@@ -265,23 +268,41 @@ class DINO(DINOLifecycle):
             self._optimizer_step(opt, momentum)
         log_losses(self, "train", out)
         log_host_scalars(self, lr, wd, momentum)
-        self.last_collapse_signals = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
+        self.signal_tensors["dino"] = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
         if out.ibot is not None:
-            self.last_patch_collapse_signals = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
+            self.signal_tensors["ibot"] = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
         self._steps_since_read += 1
         if self._steps_since_read >= self.hparams.sync_every_n_steps:
             self._read_finite()
         return out.total.detach()
 
-    def _readable_crops(self, batch: Any, needed: int) -> list[torch.Tensor] | None:
-        """The batch's crops, or None on every rank when any rank has fewer than ``needed`` (every image
-        unreadable: EmptyBatch or None). The ranks agree on the host, so none waits in a collective
-        (centre and Sinkhorn all-reduces, DDP's gradient reduction, synced BN) another never enters."""
+    # The last step's collapse signals as floats, for callbacks and benchmarks: reading waits for the device.
+    @property
+    def last_collapse_signals(self) -> tuple[float, float] | None:
+        return _floats(self.signal_tensors.get("dino"))
+
+    @last_collapse_signals.setter
+    def last_collapse_signals(self, value: tuple[Any, Any]) -> None:
+        self.signal_tensors["dino"] = value
+
+    @property
+    def last_patch_collapse_signals(self) -> tuple[float, float] | None:
+        return _floats(self.signal_tensors.get("ibot"))
+
+    @last_patch_collapse_signals.setter
+    def last_patch_collapse_signals(self, value: tuple[Any, Any]) -> None:
+        self.signal_tensors["ibot"] = value
+
+    def _readable_crops(self, batch: Any, skip_single_view: bool = False) -> list[torch.Tensor] | None:
+        """The batch's crops, or None on every rank when any rank has no readable image (EmptyBatch or None)
+        or, with ``skip_single_view``, fewer than 3 crops (an evaluation transform). The ranks agree on the
+        host, so none waits in a collective (centre and Sinkhorn all-reduces, DDP's gradient reduction,
+        synced BN) another never enters."""
         empty = batch is None or isinstance(batch, EmptyBatch)
         crops = [] if empty else crops_from_batch(batch)
-        if self._agree.any(len(crops) < needed):
+        if self._agree.any(empty or (skip_single_view and len(crops) < NUM_GLOBAL_CROPS + 1)):
             return None
-        if self.trainer.training and len(crops) < NUM_GLOBAL_CROPS:
+        if len(crops) < NUM_GLOBAL_CROPS:
             raise UserError(
                 f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
             )
@@ -316,7 +337,7 @@ class DINO(DINOLifecycle):
         with centres, BatchNorm statistics and the training mask draws untouched. Single-view batches (an
         evaluation transform) have no loss and are skipped, as are batches with no readable image; the ranks
         skip together, as in training."""
-        crops = self._readable_crops(batch, NUM_GLOBAL_CROPS + 1)
+        crops = self._readable_crops(batch, skip_single_view=True)
         if crops is None:
             return None
         masks = None

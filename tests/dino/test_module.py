@@ -158,3 +158,15 @@ def test_bad_arguments_are_named(tiny):
         tiny.model(backbone="xcit_bogus")
     with pytest.raises(ValueError, match="accumulate_grad_batches"):
         tiny.model(accumulate_grad_batches=0)
+
+
+def test_single_view_training_batches_are_a_named_error_not_a_skip(tiny, tmp_path):
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ssl_xcit.errors import UserError
+
+    L.seed_everything(0)
+    loader = DataLoader(TensorDataset(torch.randn(8, 3, 16, 16)), batch_size=4)
+    with pytest.raises(UserError, match=r"at least 2 \(global\) crops per image, got 1"):
+        tiny.trainer(tmp_path, max_epochs=1).fit(tiny.model(), loader)

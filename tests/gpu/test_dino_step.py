@@ -98,9 +98,9 @@ def _one_step(backbone: str, dtype: torch.dtype, centering: str, ibot: bool, kol
         model._update_teacher(0.996)
         # What training_step logs from the host, and what the collapse guard keeps between its reads.
         scalars = scalars_to_device({"train/lr": 1e-3, "train/skipped_batches": 0}, torch.device("cuda"))
-        model.last_collapse_signals = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
+        model.signal_tensors["dino"] = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
         if out.ibot is not None:
-            model.last_patch_collapse_signals = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
+            model.signal_tensors["ibot"] = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
         guard.on_train_batch_end(_Trainer(), model)
         watch.__exit__(None, None, None)
     assert out.total.device.type == "cuda" and scalars["train/lr"].device.type == "cuda"
