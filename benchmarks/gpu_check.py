@@ -17,6 +17,7 @@ subset of the sections (``--only precision,sync``; see ``SECTIONS``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import math
@@ -208,7 +209,7 @@ def throughput_row(check: Check) -> Row:
         else "MFU n/a"
     )
     result = f"ceiling {out['ceiling']:.1f} images/s, {mfu}, loader {out['loader']:.1f} images/s; "
-    result += f"ours/peer {ratio:.2f}x" if ratio else f"peer skipped ({out['peer_skipped']})"
+    result += f"ours/peer {ratio:.2f}x" if ratio else f"peer skipped: {out['peer_skipped'].split(' (')[0]}"
     measured = all(math.isfinite(out[k]) and out[k] > 0 for k in ("ceiling", "loader", "through_loader"))
     # On a GPU the peer ratio is the target (>= 1.2x); on the CPU dry run it is only reported.
     ok = measured and (check.dry or ratio is None or ratio >= 1.2)
@@ -249,7 +250,7 @@ def ddp_row(check: Check) -> Row:
     )
     backend = "gloo, CPU" if check.dry else "nccl"
     setting = f"{backend}, 32-true (TF32 off), SGD, 3 steps of 16; tolerance rtol 1e-4 atol 1e-5"
-    result = f"teacher max |diff| {diff:.2e} after {two['steps']} steps"
+    result = f"teacher max abs diff {diff:.2e} after {two['steps']} steps"
     return Row("ddp 2 = 1 process", setting, result, "pass" if (moved and close) else "fail")
 
 
@@ -292,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         check = Check(args.dry_run, Path(tmp))
         for name in only:
-            try:
-                rows += SECTIONS[name](check)
+            try:  # the runs' own output goes to stderr: stdout holds the table alone
+                with contextlib.redirect_stdout(sys.stderr):
+                    rows += SECTIONS[name](check)
             except Exception as err:  # a crash is a failed row, and the table still prints
                 rows.append(Row(name, "", f"{type(err).__name__}: {str(err).splitlines()[0][:90]}", "fail"))
     device = "CPU dry run" if args.dry_run else torch.cuda.get_device_name(0)

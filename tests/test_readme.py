@@ -50,6 +50,8 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r'^pip install -e "\.\[dev\]"$', "the environment running this test was installed this way"),
     (r'^pip install -e "\.\[export\]"$', "the dev extra that installed this environment includes it"),
     (r"^pytest$", "this is the test suite itself"),
+    (r"^bash benchmarks/gpu_check\.sh --dry-run$", "tests/benchmarks/test_gpu_check.py runs it (minutes: marked slow)"),
+    (r"^bash benchmarks/gpu_check\.sh$", "needs a CUDA GPU; its --dry-run form is tested in tests/benchmarks"),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device$", [*_TRAIN, *_DINO, "--run_dir", "runs/device_augment"]),
