@@ -61,7 +61,7 @@ def main() -> None:
             weights=args.weights, arch=None if args.weights else args.arch, seed=args.seed,
             resize_size=args.resize_size, crop_size=args.crop_size, batch_size=128,
             num_workers=args.num_workers, cache_dir=str(scratch / "cache"), accelerator="cpu", devices=1,
-            progress=False,
+            progress=False, default_root_dir=str(scratch / "lightning"),
         )  # fmt: skip
         rows = []
 

@@ -62,6 +62,7 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit export ", []),
     (r"^ssl-xcit knn ", _FEATURES),
     (r"^ssl-xcit linear ", [*_FEATURES, "--epochs", "1"]),
+    (r"^ssl-xcit embed ", _FEATURES),
     (r"^ssl-xcit fit -c eval/linear_xcit\.yaml ", [*_TRAIN, "--data.batch_size=4", "--data.num_workers=0",
                                                    "--data.crop_size=32", "--data.resize_size=32"]),
     (r"^ssl-xcit retrieval ", _RETRIEVAL),
@@ -187,7 +188,7 @@ def test_pages_are_discovered_and_every_command_is_known():
     sources = {b.source for b in blocks}
     assert {"README.md", "docs/getting-started.md", "docs/training.md", "docs/pictures.md"} <= sources
     readme = [b.text for b in blocks if b.source == "README.md" and b.kind == "bash"]
-    for task in ("fit", "validate", "export", "knn", "linear", "retrieval", "visualize", "models"):
+    for task in ("fit", "validate", "export", "knn", "linear", "embed", "retrieval", "visualize", "models"):
         assert any(c.startswith(f"ssl-xcit {task} ") or c == f"ssl-xcit {task}" for c in readme), task
     assert any(b.kind == "python" and b.source == "docs/backbones.md" for b in blocks)
     for block in blocks:

@@ -37,6 +37,7 @@ from ssl_xcit.retrieval.descriptors import (
     split_counts,
 )
 from ssl_xcit.retrieval.images import load_resized, target_size, to_tensor
+from ssl_xcit.retrieval.pca import FIT_VERSION as PCA_FIT_VERSION
 from ssl_xcit.retrieval.pca import PCA
 from ssl_xcit.retrieval.vlad import train_codebook, vlad_batch
 from ssl_xcit.utils.io import sha256_json
@@ -216,6 +217,7 @@ def learn_local_codebook(
         "dim": config.local_dim,
         "whiten_power": config.local_whiten,
         "max_train_descriptors": config.max_train_descriptors,
+        "pca_fit": PCA_FIT_VERSION,
     }
     t = time.perf_counter()
     pca = PCA.from_state_dict(

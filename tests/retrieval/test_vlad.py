@@ -118,3 +118,29 @@ def test_pca_agrees_with_faiss_pca_matrix(whiten_power):
     z = torch.nn.functional.normalize(torch.from_numpy(reference.apply(x[:200].numpy())), dim=-1)
     # Eigenvector signs are arbitrary, so compare what they cannot change: the cosine similarities.
     torch.testing.assert_close(y @ y.T, z @ z.T, atol=2e-4, rtol=0)
+
+
+def _hand_written_pca(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The computation PCA.fit did by hand before it used scikit-learn: float64 covariance, eigh, sorted."""
+    mean = x.double().mean(0)
+    xc = x.double() - mean
+    eigenvalues, vectors = torch.linalg.eigh(xc.T @ xc / (x.shape[0] - 1))
+    order = torch.argsort(eigenvalues, descending=True)[:dim]
+    return mean.float(), vectors[:, order].T.float(), eigenvalues[order].clamp_min(0).float()
+
+
+@pytest.mark.parametrize("whiten_power", [0.0, 0.25, 0.5])
+def test_pca_equals_the_hand_written_computation_it_replaced(whiten_power):
+    g = torch.Generator().manual_seed(1)
+    x = (
+        torch.randn(5000, 32, generator=g) * torch.logspace(0, -2.5, 32) + 0.3
+    )  # decaying spectrum, offset mean
+    mean, components, eigenvalues = _hand_written_pca(x, 12)
+    fitted = PCA.fit(x, 12, whiten_power=whiten_power)
+    torch.testing.assert_close(fitted.mean, mean, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fitted.eigenvalues, eigenvalues, rtol=1e-5, atol=0)
+    # Eigenvectors are defined up to sign: scikit-learn fixes it, eigh does not.
+    signs = torch.sign((fitted.components * components).sum(1, keepdim=True))
+    torch.testing.assert_close(fitted.components, signs * components, rtol=0, atol=1e-5)
+    reference = PCA(mean, signs * components, eigenvalues, whiten_power=whiten_power)
+    torch.testing.assert_close(fitted(x[:300]), reference(x[:300]), rtol=0, atol=1e-5)
