@@ -211,7 +211,7 @@ def _slurm_record(root: Path, env: Mapping[str, str]) -> Path:
         env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID', '')}"
     )
     key = f"slurm-run.{job or env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 'batch')}"
-    return root / ".launches" / f"{_safe_name(key)}.json"
+    return root / ".requeue" / f"{_safe_name(key)}.json"
 
 
 def remember_slurm_run(root: Path, run: Path, subcommand: str, env: Mapping[str, str] | None = None) -> None:

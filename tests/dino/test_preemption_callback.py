@@ -74,3 +74,20 @@ def test_slurm_job_id_names_an_array_task_as_scontrol_takes_it():
         slurm_job_id({"SLURM_JOB_ID": "18", "SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "2"}) == "9_2"
     )
     assert slurm_job_id({}) is None
+
+
+@pytest.mark.distributed
+def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
+    """2 gloo processes; only rank 1 is signalled (at its batch 2). The flag is agreed one step later
+    (asynchronously), so both stop after step 4, write one checkpoint and exit with 143."""
+    from pathlib import Path
+
+    from conftest import torchrun
+
+    torchrun(Path(__file__).with_name("preemption_worker.py"), str(tmp_path), timeout=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["code"] for r in ranks] == [128 + signal.SIGTERM] * 2
+    assert [r["global_step"] for r in ranks] == [4, 4]
+    checkpoint = torch.load(ranks[0]["checkpoint"], weights_only=False)
+    assert checkpoint["global_step"] == 4
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_num_yielded"] == 4
