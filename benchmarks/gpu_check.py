@@ -8,10 +8,10 @@ the same settings share one run. A row passes when its run ends with the steps a
 and loss (and its own condition where it has one). Exit status 1 when any row fails.
 
 ``--dry-run`` runs the same rows on the CPU at tiny size (a 1-block model, 32/16 px crops, 2 steps, base
-precision 32-true): 16-mixed, which Lightning does not run on a CPU, is a skipped row saying so; the sync row
+precision 32-true; 16-mixed runs with Lightning's CPU autocast); the sync row
 runs its counter with the CPU proxy of ``sync_count.py`` but reports n/a (a CPU has nothing to wait for); the
-2-process row uses gloo. ``--only NAME,...`` runs a
-subset of the sections (``--only precision,sync``; see ``SECTIONS``).
+2-process row uses gloo. ``--only NAME,...`` runs a subset of the sections (``--only precision,sync``; see
+``SECTIONS``).
 """
 
 from __future__ import annotations
@@ -126,10 +126,7 @@ class Check:
 def precision_rows(check: Check) -> list[Row]:
     rows = []
     for precision in ("16-mixed", "bf16-mixed", "bf16-true", *(("32-true",) if check.dry else ())):
-        if check.dry and precision == "16-mixed":
-            rows.append(Row("quickstart", precision, "n/a: Lightning has no 16-mixed on a CPU", "skip"))
-        else:
-            rows.append(_named(check.fit(f"--trainer.precision={precision}"), "quickstart", precision))
+        rows.append(_named(check.fit(f"--trainer.precision={precision}"), "quickstart", precision))
     return rows
 
 
