@@ -47,6 +47,8 @@ def install_filters() -> None:
     warnings.filterwarnings(
         "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train"
     )
+    # torchdata's StatefulDataLoader (the training loader) calls a deprecated torch function when it is built.
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated")
 
 
 def available_cores() -> int:

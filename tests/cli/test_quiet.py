@@ -75,3 +75,16 @@ def test_fit_output_is_quiet(tmp_path, image_folder, caplog, capsys):
     assert f"run folder: {run}" in text and f"last checkpoint: {run / 'checkpoints' / 'last.ckpt'}" in text
     assert "kept checkpoints: epoch=0000.ckpt" in text and "final online k-NN top-1: " in text
     assert f"next: ssl-xcit export {run / 'checkpoints' / 'last.ckpt'} {run / 'teacher.safetensors'}" in text
+
+
+def test_torchdatas_set_vital_notice_is_dropped():
+    """torchdata's StatefulDataLoader (the training loader) warns about a deprecated torch call it makes."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ssl_xcit.cli.quiet import install_filters
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        install_filters()
+        StatefulDataLoader([1, 2])
+    assert not [w for w in caught if "set_vital" in str(w.message)]
