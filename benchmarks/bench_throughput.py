@@ -1,7 +1,7 @@
 """Training images/s of the real DINO step, model-bound and through the real loader, and against lightly's DINO.
 
 The step is the module's own: ``DINO.training_step`` under a Lightning Trainer with the module's optimiser
-(``configure_optimizers``; ``--fused`` rebuilds its parameter groups with torch's fused kernel), the
+(``configure_optimizers``; ``--fused`` sets its ``fused_optimizer``, torch's fused kernel), the
 datamodule's ``on_after_batch_transfer`` (the device augmentation when it is on), ``--precision``,
 ``--compile`` and ``--ibot`` (``ibot_loss_weight`` 1). Three measurements in one run:
 
@@ -51,7 +51,6 @@ from ssl_xcit.cli.quiet import install_filters
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.dino.module import DINO
-from ssl_xcit.dino.optim import build_optimizer
 
 HERE = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("SSL_XCIT_SHARED_DATA") or HERE.parents[1] / "shared" / "data")
@@ -139,24 +138,6 @@ class FlopCount(L.Callback):
         if self.flops is None:
             self.counter.__exit__(None, None, None)
             self.flops = self.counter.get_total_flops()
-
-
-class BenchDINO(DINO):
-    """The module's own optimiser; with ``fused`` its parameter groups rebuilt with torch's fused kernel."""
-
-    fused = False
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        opt = super().configure_optimizers()
-        if not self.fused:
-            return opt
-        # The module's groups, without the defaults the optimiser filled in (a group's own `fused: False`
-        # would otherwise win over the constructor's fused=True).
-        groups = [
-            {k: v for k, v in g.items() if k == "params" or opt.defaults.get(k, object()) != v}
-            for g in opt.param_groups
-        ]
-        return build_optimizer(self.hparams.optimizer, groups, fused=True)
 
 
 class InMemory(L.LightningDataModule):
@@ -269,11 +250,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         num_sanity_val_steps=0,
     )  # fmt: skip
 
-    def build(**override: Any) -> BenchDINO:
+    def build(**override: Any) -> DINO:
         L.seed_everything(0, verbose=False)
-        model = BenchDINO(**{**model_kw, **override})
-        model.fused = args.fused
-        return model
+        return DINO(**{**model_kw, "fused_optimizer": args.fused, **override})
 
     def fit(datamodule: L.LightningDataModule, batches: int = window_batches, **override: Any) -> Any:
         timer, flops = WindowTimer(args.warmup, args.steps), FlopCount()

@@ -81,7 +81,8 @@ class DINOLifecycle(LightningModule):
         return [guard]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.hparams.optimizer, get_params_groups(self.student))
+        hp = self.hparams
+        return build_optimizer(hp.optimizer, get_params_groups(self.student), fused=hp.fused_optimizer)
 
     def _build_schedules(self) -> None:
         if self.schedules is not None:

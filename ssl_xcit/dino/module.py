@@ -91,6 +91,8 @@ class DINO(DINOLifecycle):
         clip_grad: per-parameter gradient-norm clip (0 disables); 3.0 in the reference.
         freeze_last_layer: epochs during which the head's last layer is not updated; stabilises the start.
         optimizer: ``adamw`` (reference default for transformers), ``sgd`` or ``lars`` (for ResNets).
+        fused_optimizer: torch's fused AdamW/SGD kernel (one launch for all parameters; on GPUs it is the
+            fastest update). Off by default because a device without fused kernels, or LARS, refuses it.
         scale_lr_with_batch: lr x total batch / 256 with total = per-device batch x devices x nodes x
             ``accumulate_grad_batches``, as in the reference.
         accumulate_grad_batches: batches per optimiser step. Manual optimisation does its own accumulation
@@ -144,6 +146,7 @@ class DINO(DINOLifecycle):
         clip_grad: float = 3.0,
         freeze_last_layer: int = 1,
         optimizer: Literal["adamw", "sgd", "lars"] = "adamw",
+        fused_optimizer: bool = False,
         scale_lr_with_batch: bool = True,
         accumulate_grad_batches: int = 1,
         sync_batchnorm: bool = True,

@@ -33,7 +33,10 @@ class MultiCropWrapper(nn.Module):
         """``torch.compile`` the backbone in place (parameter names unchanged, so checkpoints stay portable)
         and its masked patch pass: ``forward_cls_patches`` is a plain method, which ``Module.compile()``
         (it compiles ``__call__``) never sees, and it carries most of an iBOT step's compute."""
-        self.backbone.compile()
+        # Static shapes: DINO feeds exactly two crop sizes, so two graphs. With automatic dynamic shapes the
+        # second size makes a symbolic-shape graph that inductor fails to build for XCiT on torch 2.14
+        # ("cannot determine truth value of Relational", found by benchmarks/gpu_check.sh --dry-run).
+        self.backbone.compile(dynamic=False)
         self._compile_patch_pass = True
 
     def patch_logits(self, patch_tokens: torch.Tensor) -> torch.Tensor:
@@ -88,7 +91,7 @@ def _cls_patches(backbone: nn.Module, x: torch.Tensor, mask: torch.Tensor | None
 def _compiled() -> Callable[..., Any]:
     # One compiled function for every backbone (the backbone is an argument): nothing compiled is stored on
     # a module, so deepcopy and pickling see a plain module. Made on first use: torch.compile imports dynamo.
-    return torch.compile(_cls_patches)
+    return torch.compile(_cls_patches, dynamic=False)
 
 
 @contextlib.contextmanager

@@ -16,14 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 # Failures of defects that issue 26 has fixed on other branches; remove a row's entry once its fix is merged.
-PENDING = {
-    ("quickstart", "bf16-true"): "issue 26 item 2: bf16-true with augment_on=device",
-    # Found by this check, not fixed here (module.py): the in-place `.compile()` of a backbone that sees two
-    # crop sizes recompiles with automatic dynamic shapes, and inductor fails on XCiT ("cannot determine truth
-    # value of Relational"); `compile(dynamic=False)` works.
-    ("compile", "on (32-true)"): "compile with two crop sizes: inductor fails on dynamic shapes",
-    ("ibot", "on + compile (32-true)"): "compile with two crop sizes: inductor fails on dynamic shapes",
-}
+# Rows a known, unfixed defect makes fail (none now: bf16-true with the device augmentation and compile with
+# two crop sizes were fixed by issue 26).
+PENDING: dict[tuple[str, str], str] = {}
 EVERY_ROW = [
     ("quickstart", "16-mixed"), ("quickstart", "bf16-mixed"), ("quickstart", "bf16-true"), ("quickstart", "32-true"),
     ("compile", "off (32-true)"), ("compile", "on (32-true)"), ("ibot", "off (32-true)"), ("ibot", "on (32-true)"),

@@ -76,3 +76,13 @@ def test_unknown_optimizer_is_still_an_error_with_fused():
 def test_default_is_torch_default_implementation():
     opt = build_optimizer("adamw", get_params_groups(_model()))
     assert opt.defaults["fused"] is None and opt.defaults["foreach"] is None
+
+
+def test_dino_fused_optimizer_setting_builds_the_fused_kernel():
+    """``fused_optimizer: true`` (a recipe value) reaches the optimiser the module builds for training."""
+    from ssl_xcit.dino.module import DINO
+
+    kw = dict(backbone="xcit_nano_12_p16", backbone_kwargs={"depth": 1}, out_dim=32, head_hidden_dim=16,
+              head_bottleneck_dim=8)  # fmt: skip
+    assert DINO(fused_optimizer=True, **kw).configure_optimizers().defaults["fused"] is True
+    assert not DINO(**kw).configure_optimizers().defaults.get("fused")
