@@ -1,10 +1,16 @@
-"""Data-loading throughput of DINO multi-crop: the current CPU path against the new CPU half, side by side.
+"""Data-loading throughput of DINO multi-crop per DataLoader worker: four paths side by side in one run.
 
-"current" is ``augment_on=cpu``: every worker decodes and runs DINO's whole PIL augmentation (the reference's
-pipeline), delivering float crops. "new" is the worker half of ``augment_on=device``: decode (JPEG ``draft``
-when the crops allow it), random resized crops, resize and flip, delivering uint8 crops; the photometric half
-then runs batched on the training device. Both are timed in one run on the same files, per DataLoader worker,
-at 2x224 + 8x96 and 2x224 + 10x96 crops, and the ratio new / current is printed.
+- "CPU path" is ``augment_on=cpu``: every worker decodes and runs DINO's whole PIL augmentation (the
+  reference's pipeline), delivering float crops;
+- "worker crops" is the previous worker half of ``augment_on=device`` (``MultiCropGeometry``): decode (JPEG
+  ``draft`` when the crops allow it), random resized crops, resize and flip in PIL, uint8 crops;
+- "device crops, decode in worker" is today's ``augment_on=device``: the worker decodes and draws the crop boxes
+  and flips, and the crops are cut on the training device (``ssl_xcit.data.device_crops``);
+- "device crops, decode on device" is ``--data.decode_on device``: the worker reads the bytes and draws boxes.
+
+All are timed on the same files at 2x224 + 8x96 and 2x224 + 10x96 crops, with each path's ratio to the CPU
+path. The device half (decode on device, roi_align crops, photometric half) is timed on this CPU as well, per
+image on one thread: on a CPU-only trainer that work moves into the training process.
 
 Run from the repository root (the datasets are read from ../shared/data):
 
@@ -39,11 +45,13 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
+from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, load_image
 from ssl_xcit.data.device_augment import PhotometricAugment
+from ssl_xcit.data.device_crops import CropBatch, CropReader, collate_crops, cut_crops, decode_batch
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import GaussianBlur, MultiCropTransform
 
@@ -87,6 +95,11 @@ def dataset_root(name: str, workdir: Path, photo_files: int) -> Path | None:
     return ensure_synthetic_dataset() / "train"
 
 
+def batch_size_of(batch: list) -> int:
+    crops = batch[0]
+    return crops.batch_size if isinstance(crops, CropBatch) else crops[0].shape[0]
+
+
 def loader_rate(dataset: ImageDataset, workers: int, batch_size: int, num_images: int, seed: int) -> float:
     """Images/s after the first batch, until ``num_images`` more have been delivered."""
     generator = torch.Generator().manual_seed(seed)
@@ -96,7 +109,7 @@ def loader_rate(dataset: ImageDataset, workers: int, batch_size: int, num_images
         shuffle=True,
         generator=generator,
         num_workers=workers,
-        collate_fn=collate_skip_none,
+        collate_fn=collate_crops if isinstance(dataset.transform, CropReader) else collate_skip_none,
         drop_last=True,
     )
     iterator = iter(loader)
@@ -104,18 +117,41 @@ def loader_rate(dataset: ImageDataset, workers: int, batch_size: int, num_images
     start, seen = time.perf_counter(), 0
     while seen < num_images:
         try:
-            crops, _, _ = next(iterator)
+            batch = next(iterator)
         except StopIteration:
             iterator = iter(loader)
             continue
-        seen += crops[0].shape[0]
+        seen += batch_size_of(batch)
     rate = seen / (time.perf_counter() - start)
     del iterator
     return rate
 
 
-def compare_paths(args: argparse.Namespace, name: str, root: Path) -> list[tuple[str, float, float]]:
-    """Per-worker images/s of the current path and the new CPU half, per crop setting and worker count."""
+PATHS = (
+    "CPU path (augment_on=cpu)",
+    "worker crops (previous device path)",
+    "device crops, decode in worker",
+    "device crops, decode on device",
+)
+
+
+def device_crop_time(dataset: ImageDataset, args: argparse.Namespace) -> float:
+    """Milliseconds per image of the device half on this CPU: decode (bytes only), crops, photometric half."""
+    reader = dataset.transform
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate_crops)
+    batch = next(iter(loader))[0]
+    augment, cpu = PhotometricAugment(), torch.device("cpu")
+    times = []
+    for r in range(args.repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        images = decode_batch(batch, cpu)
+        augment(cut_crops(images, batch.rois, batch.flips, reader.sizes), np.random.default_rng(r))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / batch.batch_size * 1e3
+
+
+def compare_paths(args: argparse.Namespace, name: str, root: Path) -> list[tuple]:
+    """Per-worker images/s of the four paths, per crop setting and worker count, and the device half's time."""
     rows = []
     for local_number in args.local_numbers:
         geometry = dict(
@@ -123,27 +159,33 @@ def compare_paths(args: argparse.Namespace, name: str, root: Path) -> list[tuple
             local_crops_size=args.local_size,
             local_crops_number=local_number,
         )
-        paths = {
-            "current (PIL, all augmentation)": MultiCropTransform(**geometry),
-            "new CPU half (uint8 crops)": MultiCropGeometry(**geometry),
-        }
+        transforms = (
+            MultiCropTransform(**geometry),
+            MultiCropGeometry(**geometry),
+            CropReader(MultiCropGeometry(**geometry), "worker"),
+            CropReader(MultiCropGeometry(**geometry), "device"),
+        )
         setting = f"2x{args.global_size} + {local_number}x{args.local_size}"
         for workers in args.workers:
-            rates = {}
-            for label, transform in paths.items():
+            rates = []
+            for label, transform in zip(PATHS, transforms, strict=True):
                 dataset = build_dataset(root, transform=transform)
                 runs = [
                     loader_rate(dataset, workers, args.batch_size, args.num_images, seed=r)
                     for r in range(args.repeats)
                 ]
-                rates[label] = statistics.median(runs) / max(workers, 1)
+                rates.append(statistics.median(runs) / max(workers, 1))
                 print(
-                    f"  {setting}, num_workers={workers}: {label:32s} {rates[label]:7.1f} images/s per worker "
-                    f"(runs: {', '.join(f'{r:.1f}' for r in runs)})"
+                    f"  {setting}, num_workers={workers}: {label:38s} {rates[-1]:7.1f} images/s per worker, "
+                    f"x{rates[-1] / rates[0]:.2f} the CPU path (runs: {', '.join(f'{r:.1f}' for r in runs)})"
                 )
-            old, new = rates.values()
-            print(f"  {setting}, num_workers={workers}: ratio new / current = {new / old:.2f}x")
-            rows.append((f"{name} {setting} w{workers}", old, new))
+            rows.append((f"{name} {setting} w{workers}", *rates))
+        for transform in transforms[2:]:
+            ms = device_crop_time(build_dataset(root, transform=transform), args)
+            print(
+                f"  {setting}: device half on this CPU (1 thread), decode_on={transform.decode_on}: "
+                f"{ms:.2f} ms per image"
+            )
     return rows
 
 
@@ -230,6 +272,8 @@ def time_decoders(name: str, files: list[Path], repeats: int) -> None:
     blobs = [f.read_bytes() for f in files]
     width, height = Image.open(files[0]).size
     decoders: dict[str, Callable[[int], object]] = {"PIL full": lambda i: load_image(files[i]).size}
+    tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+    decoders["torchvision decode_jpeg"] = lambda i: decode_jpeg(tensors[i], mode=ImageReadMode.RGB)
     for scale in (2, 4, 8):
         decoders[f"PIL draft 1/{scale}"] = lambda i, s=scale: load_image(
             files[i], draft=(width // s, height // s)
@@ -311,7 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> list[tuple[str, float, float]]:
+def main(argv: list[str] | None = None) -> list[tuple]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -339,9 +383,10 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float]]:
             compare_blur(args.repeats)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print("summary (images/s per worker): setting | current | new CPU half | ratio")
-    for label, old, new in rows:
-        print(f"  {label:40s} | {old:7.1f} | {new:7.1f} | {new / old:5.2f}x")
+    print("summary (images/s per worker, and x the CPU path): setting | " + " | ".join(PATHS))
+    for label, base, *others in rows:
+        cells = " | ".join(f"{r:7.1f} x{r / base:5.2f}" for r in others)
+        print(f"  {label:40s} | {base:7.1f} | {cells}")
     return rows
 
 
