@@ -27,7 +27,9 @@ intra-op thread, as in DataLoader workers.
 
 ``--compare-augment`` times the device half on this CPU: our batched per-sample kernels, torchvision's v2
 functional ops looped per sample, and kornia's augmentation module (if installed). ``--compare-decoders`` times
-JPEG decoders on the photos: PIL at full size and with ``draft``, simplejpeg and PyTurboJPEG (if installed).
+JPEG decoders on the photos: PIL at full size and with ``draft``, torchvision's ``decode_jpeg``, simplejpeg and
+PyTurboJPEG (if installed). ``--compare-padding`` times device crops of mixed-size images on one padded batch
+against buckets of equal size.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from torchvision.transforms import v2
 from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, load_image
 from ssl_xcit.data.device_augment import PhotometricAugment
-from ssl_xcit.data.device_crops import CropBatch, CropReader, collate_crops, cut_crops, decode_batch
+from ssl_xcit.data.device_crops import CropBatch, CropReader, collate_crops, cut_crops, decode_batch, pad_into
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import GaussianBlur, MultiCropTransform
 
@@ -310,6 +312,45 @@ def time_decoders(name: str, files: list[Path], repeats: int) -> None:
         )
 
 
+def compare_padding(args: argparse.Namespace, batch: int = 16) -> None:
+    """Device crops of a batch of mixed-orientation 640x480 images: one padded batch (one roi_align call per
+    crop size) against buckets of equal size (one call per size and bucket), ms per image on one thread."""
+    rng = np.random.default_rng(0)
+    shapes = [(480, 640) if b % 2 else (640, 480) for b in range(batch)]
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in shapes]
+    sizes = [args.global_size] * 2 + [args.local_size] * args.local_numbers[0]
+    boxes = []
+    for h, w in shapes:
+        side = rng.uniform(0.2, 0.9, len(sizes))
+        x, y = rng.uniform(0, 1 - side) * w, rng.uniform(0, 1 - side) * h
+        boxes.append(np.stack([x, y, x + side * w, y + side * h], 1).astype(np.float32))
+
+    def cut(members: list[int]) -> None:
+        stacked = np.stack([boxes[b] for b in members], 1)  # (K, n, 4), crop-major as collate_crops
+        rows = np.tile(np.arange(len(members), dtype=np.float32), len(sizes))[:, None]
+        rois = torch.from_numpy(np.concatenate([rows, stacked.reshape(-1, 4)], 1))
+        height, width = max(shapes[b][0] for b in members), max(shapes[b][1] for b in members)
+        padded = torch.empty((len(members), 3, height, width), dtype=torch.uint8)
+        for i, b in enumerate(members):
+            pad_into(padded, i, images[b])
+        cut_crops(padded, rois, torch.zeros(rois.shape[0], dtype=torch.bool), sizes)
+
+    ways = {
+        "padded batch": lambda: cut(list(range(batch))),
+        "buckets by size": lambda: [cut(list(range(p, batch, 2))) for p in (0, 1)],
+    }
+    for label, call in ways.items():
+        call()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        print(
+            f"device crops on this CPU, {label:16s}: {statistics.median(times) / batch * 1e3:.1f} ms per image"
+        )
+
+
 def compare_blur(repeats: int) -> None:
     """Our PIL-backed blur vs v2.GaussianBlur with a +-3 sigma kernel, on crops of both reference sizes."""
     torch.manual_seed(0)
@@ -345,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compare-augment", action="store_true", help="time the device half on this CPU")
     parser.add_argument("--compare-decoders", action="store_true", help="time JPEG decoders on the photos")
+    parser.add_argument("--compare-padding", action="store_true", help="time padded vs bucketed crops")
     parser.add_argument("--compare-blur", action="store_true", help="also time the blur implementations")
     parser.add_argument("--ci", action="store_true", help="seconds-long smoke run on small generated JPEGs")
     args = parser.parse_args(argv)
@@ -379,6 +421,8 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             device_half_rate(args)
         if args.compare_decoders:
             compare_decoders(args, workdir)
+        if args.compare_padding:
+            compare_padding(args)
         if args.compare_blur:
             compare_blur(args.repeats)
     finally:

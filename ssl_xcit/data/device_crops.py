@@ -21,6 +21,9 @@ out as ``roi_align`` rows. :func:`cut_crops` then cuts all crops of one output s
 Padding rather than bucketing by size: roi_align's cost follows the output and the samples per bin, not the
 input's size, so a padded batch costs one call per crop size and only the pad's memory.
 
+torchvision's decoders are deprecated (0.29) in favour of TorchCodec's, which have the same batched CUDA call;
+they are kept because TorchCodec would be a new dependency with the same libjpeg-turbo / nvJPEG underneath.
+
 Every index and box is computed on the host and travels with the batch, so the device half never reads a device
 value back (``tests/gpu``).
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+from torch.utils.data import get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
 
@@ -102,7 +107,9 @@ class CropReader:
         return [g.global_crops_size] * 2 + [g.local_crops_size] * g.local_crops_number
 
     def read(self, path: str | Path) -> CropItem:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as file:  # into a writable buffer: torch.frombuffer shares it without a copy
+            raw = bytearray(os.fstat(file.fileno()).st_size)
+            file.readinto(raw)
         with Image.open(io.BytesIO(raw)) as image:
             orientation = image.getexif().get(0x0112, 1)
             width, height = image.size
@@ -114,7 +121,7 @@ class CropReader:
             )
             if self.decode_on == "device" and plain_jpeg and orientation == 1:
                 boxes, flips = _boxes(crops, 1.0, 1.0)
-                data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                data = torch.frombuffer(raw, dtype=torch.uint8)
                 return CropItem(data, boxes, flips, (height, width), encoded=True)
             reduction = min(min(c.width, c.height) / c.size for c in crops)
             if self.geometry.draft and image.format == "JPEG" and reduction >= 2.0:
@@ -139,10 +146,10 @@ class CropReader:
         return f"{type(self).__name__}({self.geometry!r}, decode_on={self.decode_on!r})"
 
 
-def _fast_decode(raw: bytes, image: Image.Image, orientation: int) -> torch.Tensor:
+def _fast_decode(raw: bytearray, image: Image.Image, orientation: int) -> torch.Tensor:
     """libjpeg-turbo through torchvision; PIL when it refuses the file."""
     try:
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        data = torch.frombuffer(raw, dtype=torch.uint8)
         return decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=orientation != 1)
     except RuntimeError:
         return _pil_decode(image, orientation)
@@ -203,7 +210,14 @@ def collate_crops(batch: list[Any]) -> Any:
     if decoded:
         height = max(it.size[0] for it in decoded)
         width = max(it.size[1] for it in decoded)
-        images = torch.empty((len(decoded), 3, height, width), dtype=torch.uint8)
+        shape = (len(decoded), 3, height, width)
+        images = torch.empty(0, dtype=torch.uint8)
+        if get_worker_info() is not None:
+            # Built in shared memory, as default_collate does in a worker: otherwise the batch is copied
+            # there once more when it is sent to the training process.
+            images.set_(torch.UntypedStorage._new_shared(math.prod(shape)), 0, shape)
+        else:
+            images.resize_(shape)
         for i, it in enumerate(decoded):
             pad_into(images, i, it.data)
     boxes = np.stack([it.boxes for it, _, _ in items], axis=1)  # (K, B, 4): crop-major
