@@ -190,3 +190,21 @@ def test_repeated_reads_with_one_seed_repeat(shared_data):
     torch.manual_seed(7)
     again = reader.read(path)
     assert np.array_equal(first.boxes, again.boxes) and torch.equal(first.data, again.data)
+
+
+def test_the_fallback_count_is_logged_with_decode_on_device(tmp_path):
+    from ssl_xcit.data.datamodule import SkippedImagesLogger
+
+    logged = {}
+
+    class Module:
+        def log(self, name, value, **kwargs):
+            logged[name] = value
+
+    class Trainer:
+        datamodule = DINODataModule(augment_on="device", decode_on="device")
+
+    Trainer.datamodule._use_augment_on("device")
+    Trainer.datamodule.decode_fallbacks = 3
+    SkippedImagesLogger().on_train_epoch_end(Trainer(), Module())
+    assert logged == {"data/skipped_images": 0.0, "data/cpu_decoded_images": 3.0}
