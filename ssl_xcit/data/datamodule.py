@@ -102,8 +102,8 @@ class DINODataModule(L.LightningDataModule):
             workers (libjpeg-turbo, or a reduced-scale PIL decode when every crop allows it). ``device``:
             workers send the file bytes and the training process decodes each batch in one batched call (nvJPEG
             on a GPU); files it may refuse (not a baseline RGB/grey JPEG, or EXIF-rotated) are decoded in the
-            workers and counted (``data/cpu_decoded_images``). ``device`` measured 6.4x the workers' images/s
-            at 640 x 480 (docs/input-pipeline.md), but moves the decode into the training process and decodes
+            workers and counted (``data/cpu_decoded_images``). ``device`` measured 4.5x to 6.9x ``worker``'s images/s
+            per worker at 640 x 480 (docs/input-pipeline.md), but moves the decode into the training process and decodes
             large photos at full size (8 GB of float per 64 8-MP photos); ``worker`` is the default because it
             has been measured end to end (no GPU decode has been timed yet) and keeps memory bounded.
     """
