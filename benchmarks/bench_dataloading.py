@@ -1,10 +1,16 @@
-"""Data-loading throughput of DINO multi-crop: the current CPU path against the new CPU half, side by side.
+"""Data-loading throughput of DINO multi-crop per DataLoader worker: four paths side by side in one run.
 
-"current" is ``augment_on=cpu``: every worker decodes and runs DINO's whole PIL augmentation (the reference's
-pipeline), delivering float crops. "new" is the worker half of ``augment_on=device``: decode (JPEG ``draft``
-when the crops allow it), random resized crops, resize and flip, delivering uint8 crops; the photometric half
-then runs batched on the training device. Both are timed in one run on the same files, per DataLoader worker,
-at 2x224 + 8x96 and 2x224 + 10x96 crops, and the ratio new / current is printed.
+- "CPU path" is ``augment_on=cpu``: every worker decodes and runs DINO's whole PIL augmentation (the
+  reference's pipeline), delivering float crops;
+- "worker crops" is the previous worker half of ``augment_on=device`` (``MultiCropGeometry``): decode (JPEG
+  ``draft`` when the crops allow it), random resized crops, resize and flip in PIL, uint8 crops;
+- "device crops, decode in worker" is today's ``augment_on=device``: the worker decodes and draws the crop boxes
+  and flips, and the crops are cut on the training device (``ssl_xcit.data.device_crops``);
+- "device crops, decode on device" is ``--data.decode_on device``: the worker reads the bytes and draws boxes.
+
+All are timed on the same files at 2x224 + 8x96 and 2x224 + 10x96 crops, with each path's ratio to the CPU
+path. The device half (decode on device, roi_align crops, photometric half) is timed on this CPU as well, per
+image on one thread: on a CPU-only trainer that work moves into the training process.
 
 Run from the repository root (the datasets are read from ../shared/data):
 
@@ -21,7 +27,9 @@ intra-op thread, as in DataLoader workers.
 
 ``--compare-augment`` times the device half on this CPU: our batched per-sample kernels, torchvision's v2
 functional ops looped per sample, and kornia's augmentation module (if installed). ``--compare-decoders`` times
-JPEG decoders on the photos: PIL at full size and with ``draft``, simplejpeg and PyTurboJPEG (if installed).
+JPEG decoders on the photos: PIL at full size and with ``draft``, torchvision's ``decode_jpeg``, simplejpeg and
+PyTurboJPEG (if installed). ``--compare-padding`` times device crops of mixed-size images on one padded batch
+against buckets of equal size.
 """
 
 from __future__ import annotations
@@ -39,11 +47,13 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
+from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, load_image
 from ssl_xcit.data.device_augment import PhotometricAugment
+from ssl_xcit.data.device_crops import CropBatch, CropReader, collate_crops, cut_crops, decode_batch, pad_into
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import GaussianBlur, MultiCropTransform
 
@@ -87,6 +97,11 @@ def dataset_root(name: str, workdir: Path, photo_files: int) -> Path | None:
     return ensure_synthetic_dataset() / "train"
 
 
+def batch_size_of(batch: list) -> int:
+    crops = batch[0]
+    return crops.batch_size if isinstance(crops, CropBatch) else crops[0].shape[0]
+
+
 def loader_rate(dataset: ImageDataset, workers: int, batch_size: int, num_images: int, seed: int) -> float:
     """Images/s after the first batch, until ``num_images`` more have been delivered."""
     generator = torch.Generator().manual_seed(seed)
@@ -96,7 +111,7 @@ def loader_rate(dataset: ImageDataset, workers: int, batch_size: int, num_images
         shuffle=True,
         generator=generator,
         num_workers=workers,
-        collate_fn=collate_skip_none,
+        collate_fn=collate_crops if isinstance(dataset.transform, CropReader) else collate_skip_none,
         drop_last=True,
     )
     iterator = iter(loader)
@@ -104,18 +119,41 @@ def loader_rate(dataset: ImageDataset, workers: int, batch_size: int, num_images
     start, seen = time.perf_counter(), 0
     while seen < num_images:
         try:
-            crops, _, _ = next(iterator)
+            batch = next(iterator)
         except StopIteration:
             iterator = iter(loader)
             continue
-        seen += crops[0].shape[0]
+        seen += batch_size_of(batch)
     rate = seen / (time.perf_counter() - start)
     del iterator
     return rate
 
 
-def compare_paths(args: argparse.Namespace, name: str, root: Path) -> list[tuple[str, float, float]]:
-    """Per-worker images/s of the current path and the new CPU half, per crop setting and worker count."""
+PATHS = (
+    "CPU path (augment_on=cpu)",
+    "worker crops (previous device path)",
+    "device crops, decode in worker",
+    "device crops, decode on device",
+)
+
+
+def device_crop_time(dataset: ImageDataset, args: argparse.Namespace) -> float:
+    """Milliseconds per image of the device half on this CPU: decode (bytes only), crops, photometric half."""
+    reader = dataset.transform
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate_crops)
+    batch = next(iter(loader))[0]
+    augment, cpu = PhotometricAugment(), torch.device("cpu")
+    times = []
+    for r in range(args.repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        images = decode_batch(batch, cpu)
+        augment(cut_crops(images, batch.rois, batch.flips, reader.sizes), np.random.default_rng(r))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / batch.batch_size * 1e3
+
+
+def compare_paths(args: argparse.Namespace, name: str, root: Path) -> list[tuple]:
+    """Per-worker images/s of the four paths, per crop setting and worker count, and the device half's time."""
     rows = []
     for local_number in args.local_numbers:
         geometry = dict(
@@ -123,27 +161,33 @@ def compare_paths(args: argparse.Namespace, name: str, root: Path) -> list[tuple
             local_crops_size=args.local_size,
             local_crops_number=local_number,
         )
-        paths = {
-            "current (PIL, all augmentation)": MultiCropTransform(**geometry),
-            "new CPU half (uint8 crops)": MultiCropGeometry(**geometry),
-        }
+        transforms = (
+            MultiCropTransform(**geometry),
+            MultiCropGeometry(**geometry),
+            CropReader(MultiCropGeometry(**geometry), "worker"),
+            CropReader(MultiCropGeometry(**geometry), "device"),
+        )
         setting = f"2x{args.global_size} + {local_number}x{args.local_size}"
         for workers in args.workers:
-            rates = {}
-            for label, transform in paths.items():
+            rates = []
+            for label, transform in zip(PATHS, transforms, strict=True):
                 dataset = build_dataset(root, transform=transform)
                 runs = [
                     loader_rate(dataset, workers, args.batch_size, args.num_images, seed=r)
                     for r in range(args.repeats)
                 ]
-                rates[label] = statistics.median(runs) / max(workers, 1)
+                rates.append(statistics.median(runs) / max(workers, 1))
                 print(
-                    f"  {setting}, num_workers={workers}: {label:32s} {rates[label]:7.1f} images/s per worker "
-                    f"(runs: {', '.join(f'{r:.1f}' for r in runs)})"
+                    f"  {setting}, num_workers={workers}: {label:38s} {rates[-1]:7.1f} images/s per worker, "
+                    f"x{rates[-1] / rates[0]:.2f} the CPU path (runs: {', '.join(f'{r:.1f}' for r in runs)})"
                 )
-            old, new = rates.values()
-            print(f"  {setting}, num_workers={workers}: ratio new / current = {new / old:.2f}x")
-            rows.append((f"{name} {setting} w{workers}", old, new))
+            rows.append((f"{name} {setting} w{workers}", *rates))
+        for transform in transforms[2:]:
+            ms = device_crop_time(build_dataset(root, transform=transform), args)
+            print(
+                f"  {setting}: device half on this CPU (1 thread), decode_on={transform.decode_on}: "
+                f"{ms:.2f} ms per image"
+            )
     return rows
 
 
@@ -230,6 +274,8 @@ def time_decoders(name: str, files: list[Path], repeats: int) -> None:
     blobs = [f.read_bytes() for f in files]
     width, height = Image.open(files[0]).size
     decoders: dict[str, Callable[[int], object]] = {"PIL full": lambda i: load_image(files[i]).size}
+    tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+    decoders["torchvision decode_jpeg"] = lambda i: decode_jpeg(tensors[i], mode=ImageReadMode.RGB)
     for scale in (2, 4, 8):
         decoders[f"PIL draft 1/{scale}"] = lambda i, s=scale: load_image(
             files[i], draft=(width // s, height // s)
@@ -263,6 +309,45 @@ def time_decoders(name: str, files: list[Path], repeats: int) -> None:
     for label, rate in rates.items():
         print(
             f"decoders, {name} ({width}x{height}): {label:18s} {rate:8.1f} images/s, x{rate / base:.2f} PIL"
+        )
+
+
+def compare_padding(args: argparse.Namespace, batch: int = 16) -> None:
+    """Device crops of a batch of mixed-orientation 640x480 images: one padded batch (one roi_align call per
+    crop size) against buckets of equal size (one call per size and bucket), ms per image on one thread."""
+    rng = np.random.default_rng(0)
+    shapes = [(480, 640) if b % 2 else (640, 480) for b in range(batch)]
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in shapes]
+    sizes = [args.global_size] * 2 + [args.local_size] * args.local_numbers[0]
+    boxes = []
+    for h, w in shapes:
+        side = rng.uniform(0.2, 0.9, len(sizes))
+        x, y = rng.uniform(0, 1 - side) * w, rng.uniform(0, 1 - side) * h
+        boxes.append(np.stack([x, y, x + side * w, y + side * h], 1).astype(np.float32))
+
+    def cut(members: list[int]) -> None:
+        stacked = np.stack([boxes[b] for b in members], 1)  # (K, n, 4), crop-major as collate_crops
+        rows = np.tile(np.arange(len(members), dtype=np.float32), len(sizes))[:, None]
+        rois = torch.from_numpy(np.concatenate([rows, stacked.reshape(-1, 4)], 1))
+        height, width = max(shapes[b][0] for b in members), max(shapes[b][1] for b in members)
+        padded = torch.empty((len(members), 3, height, width), dtype=torch.uint8)
+        for i, b in enumerate(members):
+            pad_into(padded, i, images[b])
+        cut_crops(padded, rois, torch.zeros(rois.shape[0], dtype=torch.bool), sizes)
+
+    ways = {
+        "padded batch": lambda: cut(list(range(batch))),
+        "buckets by size": lambda: [cut(list(range(p, batch, 2))) for p in (0, 1)],
+    }
+    for label, call in ways.items():
+        call()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        print(
+            f"device crops on this CPU, {label:16s}: {statistics.median(times) / batch * 1e3:.1f} ms per image"
         )
 
 
@@ -301,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compare-augment", action="store_true", help="time the device half on this CPU")
     parser.add_argument("--compare-decoders", action="store_true", help="time JPEG decoders on the photos")
+    parser.add_argument("--compare-padding", action="store_true", help="time padded vs bucketed crops")
     parser.add_argument("--compare-blur", action="store_true", help="also time the blur implementations")
     parser.add_argument("--ci", action="store_true", help="seconds-long smoke run on small generated JPEGs")
     args = parser.parse_args(argv)
@@ -311,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> list[tuple[str, float, float]]:
+def main(argv: list[str] | None = None) -> list[tuple]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -335,13 +421,16 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float]]:
             device_half_rate(args)
         if args.compare_decoders:
             compare_decoders(args, workdir)
+        if args.compare_padding:
+            compare_padding(args)
         if args.compare_blur:
             compare_blur(args.repeats)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print("summary (images/s per worker): setting | current | new CPU half | ratio")
-    for label, old, new in rows:
-        print(f"  {label:40s} | {old:7.1f} | {new:7.1f} | {new / old:5.2f}x")
+    print("summary (images/s per worker, and x the CPU path): setting | " + " | ".join(PATHS))
+    for label, base, *others in rows:
+        cells = " | ".join(f"{r:7.1f} x{r / base:5.2f}" for r in others)
+        print(f"  {label:40s} | {base:7.1f} | {cells}")
     return rows
 
 

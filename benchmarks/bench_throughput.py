@@ -49,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ssl_xcit.cli.quiet import install_filters
 from ssl_xcit.data.datamodule import DINODataModule
+from ssl_xcit.data.device_crops import CropBatch
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.dino.module import DINO
 
@@ -149,11 +150,15 @@ class InMemory(L.LightningDataModule):
         self.data, self.batch, self.steps = data, batch, steps
 
     def train_dataloader(self) -> DataLoader:
-        size = self.batch[0][0].shape[0]
+        crops = self.batch[0]
+        size = crops.batch_size if isinstance(crops, CropBatch) else crops[0].shape[0]
         return DataLoader(range(size * self.steps), batch_size=size, collate_fn=lambda _: self.batch)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        return apply_to_collection(batch, torch.Tensor, lambda t: t.to(device, non_blocking=True))
+        # CropBatch.to moves the device crops' images and boxes (and keeps file bytes on the host).
+        return apply_to_collection(
+            batch, (torch.Tensor, CropBatch), lambda t: t.to(device, non_blocking=True)
+        )
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         return self.data.on_after_batch_transfer(batch, dataloader_idx)
@@ -261,12 +266,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         trainer.fit(model, datamodule)
         return timer, flops, model
 
-    # One real batch, from the loader as training sees it (uint8 crops in device mode); pinned on CUDA.
+    # One real batch, from the loader as training sees it (uint8 images and crop boxes in device mode); pinned
+    # on CUDA.
     data = _probe(DINODataModule(**{**data_kw, "num_workers": 0}), device)
     where = data.augment_on
     batch = next(iter(data.train_dataloader()))
     if cuda:
-        batch = apply_to_collection(batch, torch.Tensor, lambda t: t.pin_memory())
+        batch = apply_to_collection(batch, (torch.Tensor, CropBatch), lambda t: t.pin_memory())
     timer, _, trained = fit(InMemory(data, batch, window_batches))
     ceiling = timer.rate(args.batch_size)
     opt = timer.optimizer

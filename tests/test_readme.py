@@ -55,6 +55,7 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device$", [*_TRAIN, *_DINO, "--run_dir", "runs/device_augment"]),
+    (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device --data\.decode_on device$", [*_TRAIN, *_DINO, "--run_dir", "runs/device_decode"]),
     (r"^ssl-xcit fit -c recipes/(dino_xcit_\w+|dinov2_xcit_\w+|small_dataset)\.yaml ", [*_TRAIN, *_DINO, *_SHALLOW]),
     (r"^ssl-xcit validate -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO]),
     # ONNX / pt2: traced and checked at 64 px instead of 224 (the docs' python blocks run them at 224).

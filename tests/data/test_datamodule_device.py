@@ -30,13 +30,23 @@ def root(tmp_path):
     return str(make_tree(tmp_path / "data"))
 
 
-def test_device_mode_loader_gives_uint8_and_the_hook_normalised_floats(root):
-    dm = DINODataModule(root=root, batch_size=4, augment_on="device", **SMALL_CROPS)
+@pytest.mark.parametrize("decode_on", ["worker", "device"])
+def test_device_mode_loader_gives_uint8_images_and_boxes_and_the_hook_normalised_crops(root, decode_on):
+    dm = DINODataModule(root=root, batch_size=4, augment_on="device", decode_on=decode_on, **SMALL_CROPS)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    assert all(c.dtype == torch.uint8 for c in batch[0])
+    images = batch[0]
+    if decode_on == "worker":
+        assert (
+            images.images.dtype == torch.uint8
+            and images.images.shape == (4, 3, 40, 40)
+            and not images.encoded
+        )
+    else:
+        assert images.images is None and len(images.encoded) == 4 and images.encoded[0].dtype == torch.uint8
+    assert images.rois.shape == (4 * 4, 5) and images.flips.shape == (16,)
     out = dm.on_after_batch_transfer(batch, 0)
-    assert [c.shape for c in out[0]] == [c.shape for c in batch[0]]
+    assert [tuple(c.shape) for c in out[0]] == [(4, 3, 16, 16)] * 2 + [(4, 3, 8, 8)] * 2
     assert all(c.dtype == torch.float32 for c in out[0])
     assert torch.equal(out[1], batch[1]) and torch.equal(out[2], batch[2])
     # Normalised: roughly ImageNet-standardised values, not [0, 255] or [0, 1].
@@ -94,6 +104,9 @@ def test_auto_is_device_on_accelerators_and_cpu_on_the_cpu(root, device, want):
     dm.trainer = _FakeTrainer(device)
     dm.setup("fit")
     assert dm.augment_on == want
-    crops = dm.train_dataset[0][0]
-    assert crops[0].dtype == (torch.uint8 if want == "device" else torch.float32)
+    item = dm.train_dataset[0][0]
+    if want == "device":  # the worker delivers the decoded image and its crop boxes
+        assert item.data.dtype == torch.uint8 and item.boxes.shape == (4, 4)
+    else:
+        assert item[0].dtype == torch.float32
     assert (dm.device_augment is not None) == (want == "device")

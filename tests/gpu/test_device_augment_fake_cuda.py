@@ -3,8 +3,9 @@
 ``FakeTensorMode`` runs the operators by shape on fake ``cuda`` tensors, with no GPU: a CPU tensor meeting a
 CUDA one raises ``FakeTensorDeviceMismatchError``, and reading a device value on the host (``.item()``,
 ``nonzero``, boolean-mask indexing: each a synchronisation on a real GPU) raises. The loader's crops are cut on
-the CPU in the DataLoader workers (``ssl_xcit.data.crops``), so what runs on the device is the photometric half,
-entered through the datamodule's ``on_after_batch_transfer`` as in training.
+the CPU in the DataLoader workers (``ssl_xcit.data.crops``) or on the device from the workers' boxes
+(``ssl_xcit.data.device_crops``), then the photometric half runs, entered through the datamodule's
+``on_after_batch_transfer`` as in training.
 """
 
 from __future__ import annotations
@@ -126,3 +127,37 @@ def test_the_parameter_copy_is_pinned_where_cuda_is_real(monkeypatch):
     with FakeTensorMode(), torch.device("cuda"):
         augment.run([torch.zeros(4, 3, 16, 16, dtype=torch.uint8)] * 2, plan)
     assert pinned == [plan.buffer.shape]
+
+
+@pytest.mark.parametrize("batch,sizes", SHAPES[:2])  # the datamodule has one local crop size
+def test_device_crops_then_augmentation_on_fake_cuda_never_sync(batch, sizes):
+    # The worker's batch (padded uint8 images, roi rows, flips) moved to (fake) CUDA by Lightning's transfer
+    # (CropBatch.to): the crops are cut and augmented there with one parameter copy and no host read.
+    from ssl_xcit.data.device_crops import CropBatch
+
+    dm = DINODataModule(
+        augment_on="device",
+        global_crops_size=sizes[0],
+        local_crops_size=sizes[-1],
+        local_crops_number=len(sizes) - 2,
+    )
+    rng = np.random.default_rng(0)
+    x1, y1 = rng.uniform(0, 100, (2, len(sizes) * batch))
+    boxes = np.stack([np.tile(np.arange(batch), len(sizes)), x1, y1, x1 + 80, y1 + 60], 1)
+    host = CropBatch(
+        torch.zeros(batch, 3, 200, 250, dtype=torch.uint8),
+        [],
+        [(200, 250)] * batch,
+        torch.from_numpy(boxes.astype(np.float32)),
+        torch.from_numpy(rng.random(len(sizes) * batch) < 0.5),
+        0,
+    )
+    traffic = DeviceTraffic()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        data = [host.to("cuda"), torch.zeros(batch, dtype=torch.int64, device="cuda")]
+        data.append(torch.arange(batch, device="cuda"))
+        with traffic:
+            out = dm.on_after_batch_transfer(data, 0)
+    assert [tuple(c.shape) for c in out[0]] == [(batch, 3, s, s) for s in sizes]
+    assert all(isinstance(c, FakeTensor) and c.device.type == "cuda" for c in out[0])
+    assert traffic.syncs == [] and len(traffic.to_device) == 1 and len(traffic.to_device[0]) == 1
