@@ -136,6 +136,7 @@ def test_sigterm_mid_epoch_saves_a_complete_checkpoint_and_the_resume_is_exact(t
     _assert_exact(_covered(before, _records(resumed)), _weights(last), reference)
 
 
+@pytest.mark.slow  # ~16 s; SIGTERM's test covers the save-and-resume path by default
 def test_sigusr1_under_slurm_requeues_and_the_requeued_job_resumes_by_itself(tmp_path, reference):
     make_images(tmp_path / "images")
     bin_dir = tmp_path / "bin"

@@ -140,6 +140,7 @@ def test_manually_launched_processes_join_one_run_folder_also_when_relaunched(tm
     assert not list((root / ".launches").glob("*.json")) and not list((root / ".launches").glob("*.ack*"))
 
 
+@pytest.mark.slow  # ~8 s; the hand-started launch test covers the same claim files by default
 @pytest.mark.distributed
 def test_mpi_and_node_rank_launches_join_one_run_folder(tmp_path):
     root, out = tmp_path / "runs", tmp_path / "out"

@@ -242,6 +242,7 @@ def test_bad_arguments_are_one_line_errors(tiny_tree, tmp_path):
     assert not (tmp_path / "e.npz").exists()
 
 
+@pytest.mark.slow  # ~10 s of 2-process start-up
 @pytest.mark.distributed
 def test_two_processes_write_the_one_process_rows_once(tiny_tree, tmp_path):
     import os
