@@ -67,41 +67,25 @@ def run_linear(
         num_sanity_val_steps=0,
         deterministic=False,
     )
+    # What the cached-feature solvers extract with, and how (one set for both, passed through to _features).
+    extract = dict(
+        weights=weights,
+        arch=arch,
+        n_last_blocks=n_last_blocks,
+        avgpool_patchtokens=avgpool_patchtokens,
+        crop_size=crop_size,
+        resize_size=resize_size,
+        cache_dir=cache_dir,
+        use_cache=use_cache,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        seed=seed,
+        trainer_kwargs=trainer_kwargs,
+    )
     if solver == "lbfgs":
-        results = _run_lbfgs(
-            train,
-            val,
-            weights=weights,
-            arch=arch,
-            n_last_blocks=n_last_blocks,
-            avgpool_patchtokens=avgpool_patchtokens,
-            crop_size=crop_size,
-            resize_size=resize_size,
-            cache_dir=cache_dir,
-            use_cache=use_cache,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            seed=seed,
-            trainer_kwargs=trainer_kwargs,
-        )
+        results = _run_lbfgs(train, val, **extract)
     elif fast:
-        results = _run_fast(
-            train,
-            val,
-            weights=weights,
-            arch=arch,
-            lrs=lrs,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            n_last_blocks=n_last_blocks,
-            avgpool_patchtokens=avgpool_patchtokens,
-            crop_size=crop_size,
-            resize_size=resize_size,
-            cache_dir=cache_dir,
-            use_cache=use_cache,
-            seed=seed,
-            trainer_kwargs=trainer_kwargs,
-        )
+        results = _run_fast(train, val, lrs=lrs, **extract)
     else:
         data = LinearProbeDataModule(train, val, batch_size, num_workers, crop_size, resize_size)
         model = LinearProbe(
@@ -129,52 +113,21 @@ def run_linear(
     return results
 
 
-def _run_fast(
-    train,
-    val,
-    *,
-    weights,
-    arch,
-    lrs,
-    batch_size,
-    num_workers,
-    n_last_blocks,
-    avgpool_patchtokens,
-    crop_size,
-    resize_size,
-    cache_dir,
-    use_cache,
-    seed,
-    trainer_kwargs,
-) -> dict[str, Any]:
-    train_ds, transform, (tr, tr_hit), (va, va_hit) = _features(
-        train,
-        val,
-        weights=weights,
-        arch=arch,
-        n_last_blocks=n_last_blocks,
-        avgpool_patchtokens=avgpool_patchtokens,
-        crop_size=crop_size,
-        resize_size=resize_size,
-        cache_dir=cache_dir,
-        use_cache=use_cache,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        seed=seed,
-        trainer_kwargs=trainer_kwargs,
-    )
+def _run_fast(train, val, *, lrs, **extract) -> dict[str, Any]:
+    train_ds, transform, (tr, tr_hit), (va, va_hit) = _features(train, val, **extract)
+    batch_size, trainer_kwargs = extract["batch_size"], extract["trainer_kwargs"]
     model = LinearProbe(
         num_classes=len(train_ds.classes),
         feature_dim=tr["features"].shape[1],
         lrs=list(lrs),
         per_device_batch_size=batch_size,
-        weights=weights,
-        arch=arch,
-        n_last_blocks=n_last_blocks,
-        avgpool_patchtokens=avgpool_patchtokens,
+        weights=extract["weights"],
+        arch=extract["arch"],
+        n_last_blocks=extract["n_last_blocks"],
+        avgpool_patchtokens=extract["avgpool_patchtokens"],
     )
     model.write_on_fit_end = False
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(extract["seed"])
     train_loader = DataLoader(
         TensorDataset(tr["features"], tr["labels"]), batch_size=batch_size, shuffle=True, generator=g
     )
@@ -238,22 +191,12 @@ def _features(
     return train_ds, transform, tr, va
 
 
-def _run_lbfgs(
-    train, val, *, weights, arch, n_last_blocks, avgpool_patchtokens, seed, **extract
-) -> dict[str, Any]:
+def _run_lbfgs(train, val, **extract) -> dict[str, Any]:
     from ssl_xcit.evaluation.cache import checkpoint_fingerprint
     from ssl_xcit.evaluation.linear.lbfgs import lbfgs_probe
 
-    train_ds, transform, (tr, tr_hit), (va, va_hit) = _features(
-        train,
-        val,
-        weights=weights,
-        arch=arch,
-        n_last_blocks=n_last_blocks,
-        avgpool_patchtokens=avgpool_patchtokens,
-        seed=seed,
-        **extract,
-    )
+    train_ds, transform, (tr, tr_hit), (va, va_hit) = _features(train, val, **extract)
+    weights, seed = extract["weights"], extract["seed"]
     paths = [str(train_ds.samples[i][0]) for i in tr["indices"].tolist()]
     results = lbfgs_probe(tr, va, paths, num_classes=len(train_ds.classes), seed=seed)
     return {
@@ -261,8 +204,8 @@ def _run_lbfgs(
         "mode": "lbfgs",
         "weights": weights,
         "checkpoint_sha256": checkpoint_fingerprint(weights) if weights else None,
-        "arch": arch,
-        "feature": FeatureConfig(n_last_blocks, avgpool_patchtokens).name,
+        "arch": extract["arch"],
+        "feature": FeatureConfig(extract["n_last_blocks"], extract["avgpool_patchtokens"]).name,
         **results,
         "num_train": int(tr["features"].shape[0]),
         "num_val": int(va["features"].shape[0]),
