@@ -28,7 +28,7 @@ SHARED = Path(os.environ.get("SSL_XCIT_SHARED_DATA", REPO.parent / "shared" / "d
 from ssl_xcit.data.crops import MultiCropGeometry  # noqa: E402
 from ssl_xcit.data.datasets import build_dataset  # noqa: E402
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset  # noqa: E402
-from ssl_xcit.dino.masking import BlockMaskGenerator, sample_masks  # noqa: E402
+from ssl_xcit.dino.masking import BlockMaskGenerator, draw_masks  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         grid = (224 // patch, 224 // patch)
         generator = BlockMaskGenerator(grid)
         results[f"masks p{patch}"] = median_ms(
-            lambda g=generator, s=grid: sample_masks(2 * args.batch, s, rng, generator=g), args.repeats
+            lambda g=generator, s=grid: draw_masks(2 * args.batch, s, rng, generator=g), args.repeats
         )
     root = SHARED / "flowers5" if (SHARED / "flowers5").is_dir() else ensure_synthetic_dataset() / "train"
     paths = [path for path, _ in build_dataset(str(root)).samples[: args.batch]]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 from ssl_xcit.errors import UserError
 
@@ -124,15 +123,3 @@ def draw_masks(
         fraction = rng.uniform(edges[i], edges[i + 1])
         masks[i] = generator(int(n_patches * fraction), rng).reshape(-1)
     return masks[rng.permutation(n_images)]
-
-
-def sample_masks(
-    n_images: int,
-    grid: tuple[int, int],
-    rng: np.random.Generator,
-    ratio_range: tuple[float, float] = (0.1, 0.5),
-    mask_probability: float = 0.5,
-    generator: BlockMaskGenerator | None = None,
-) -> torch.Tensor:
-    """:func:`draw_masks` as a CPU bool tensor."""
-    return torch.from_numpy(draw_masks(n_images, grid, rng, ratio_range, mask_probability, generator))

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from ssl_xcit.dino.masking import BlockMaskGenerator, sample_masks
+from ssl_xcit.dino.masking import BlockMaskGenerator, draw_masks
 
 
 def _components(mask: np.ndarray) -> list[int]:
@@ -37,7 +37,7 @@ def test_fractions_share_and_exact_counts(grid):
     n_patches = grid[0] * grid[1]
     fractions = []
     for _ in range(20):
-        masks = sample_masks(64, grid, rng).numpy()
+        masks = draw_masks(64, grid, rng)
         counts = masks.sum(1)
         # Exactly half of the crops are masked (DINOv2's mask_probability 0.5); the others keep every patch.
         assert (counts > 0).sum() == 32 and (counts == 0).sum() == 32
@@ -105,6 +105,6 @@ def test_block_aspect_ratios_are_log_uniform_in_range():
 def test_bad_settings_name_the_value():
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match=r"0 <= low <= high <= 1, got \(0.6, 0.2\)"):
-        sample_masks(4, (4, 4), rng, ratio_range=(0.6, 0.2))
+        draw_masks(4, (4, 4), rng, ratio_range=(0.6, 0.2))
     with pytest.raises(ValueError, match="mask_probability must be in"):
-        sample_masks(4, (4, 4), rng, mask_probability=1.5)
+        draw_masks(4, (4, 4), rng, mask_probability=1.5)
