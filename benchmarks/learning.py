@@ -73,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="append the result to this JSON-lines file")
     p.add_argument("--tag", default="", help="a name for this run in the table")
     p.add_argument("--save", default=None, help="write the trained teacher backbone's state dict here (.pth)")
+    p.add_argument(
+        "--save-every-epoch",
+        action="store_true",
+        help="also write the teacher backbone after every epoch, as <save>_e<epoch>.pth (steps-versus-quality curves)",
+    )
     return p.parse_args(argv)
 
 
@@ -105,6 +110,18 @@ def knn_top1(model: nn.Module, bank, queries, k: int = 20) -> float:
     b, q = embed_dataset(model, bank), embed_dataset(model, queries)
     scores = weighted_knn(b["features"], b["labels"], q["features"], ks=(k,), temperature=0.07)[k]
     return 100.0 * float((scores.argmax(1) == q["labels"]).float().mean())
+
+
+class SaveTeacher(L.Callback):
+    """The teacher backbone's state dict after every epoch, for curves of quality against steps."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        out = self.path.with_name(f"{self.path.stem}_e{trainer.current_epoch + 1}{self.path.suffix}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(pl_module.teacher.backbone.state_dict(), out)
 
 
 class Signals(L.Callback):
@@ -142,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[knn, signals],
+        callbacks=[knn, signals] + ([SaveTeacher(args.save)] if args.save and args.save_every_epoch else []),
     )
     start = time.perf_counter()
     trainer.fit(model, dm)
