@@ -69,7 +69,51 @@ def transformed_copy(image: Image.Image, rng: np.random.Generator) -> tuple[Imag
     return out, quality, record
 
 
-def build(source: str, out: Path, n_queries: int, seed: int, limit: int | None) -> Path:
+def hard_copy(image: Image.Image, rng: np.random.Generator) -> tuple[Image.Image, int, dict]:
+    """The ``hard`` preset: a partial view (35-65 % of each side), a rotation of up to 20 degrees, a rescale of
+    0.5-1.5x, a colour change, grayscale one time in five, JPEG quality 40-75."""
+    image = image.convert("RGB")
+    w, h = image.size
+    cw = max(8, round(w * rng.uniform(0.35, 0.65)))
+    ch = max(8, round(h * rng.uniform(0.35, 0.65)))
+    left, top = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    angle = float(rng.uniform(-20, 20))
+    scale = float(rng.uniform(0.5, 1.5))
+    factors = rng.uniform(0.6, 1.4, size=3)
+    hue = float(rng.uniform(-0.1, 0.1))
+    gray = bool(rng.random() < 0.2)
+    out = F.rotate(image.crop((left, top, left + cw, top + ch)), angle)
+    out = out.resize((max(8, round(cw * scale)), max(8, round(ch * scale))), Image.BICUBIC)
+    out = F.adjust_brightness(out, float(factors[0]))
+    out = F.adjust_contrast(out, float(factors[1]))
+    out = F.adjust_saturation(out, float(factors[2]))
+    out = F.adjust_hue(out, hue)
+    if gray:
+        out = out.convert("L").convert("RGB")
+    quality = int(rng.integers(40, 76))
+    record = {"crop": [left, top, cw, ch], "angle": round(angle, 2), "scale": round(scale, 3),
+              "colour": factors.round(3).tolist(), "hue": round(hue, 3), "grayscale": gray,
+              "jpeg_quality": quality}  # fmt: skip
+    return out, quality, record
+
+
+PRESETS = {"standard": transformed_copy, "hard": hard_copy}
+
+
+def build(
+    source: str,
+    out: Path,
+    n_queries: int,
+    seed: int,
+    limit: int | None,
+    preset: str = "standard",
+    held_out_all: bool = False,
+    train_images: str | None = None,
+) -> Path:
+    """Write ``benchmark.json`` (database, queries, positives), the queries and ``train_images.txt``.
+
+    ``held_out_all``: every photo of ``source`` is held out (for models trained on other data, whose training
+    images ``train_images`` names: a folder or list, used for PCA and codebooks)."""
     if source == "cifar10":  # learning.py --data cifar10 trains on train/ and holds out all of test/
         train = build_dataset(str(SHARED / "cifar10_12k" / "train")).samples
         held_out = build_dataset(str(SHARED / "cifar10_12k" / "test")).samples
@@ -77,6 +121,12 @@ def build(source: str, out: Path, n_queries: int, seed: int, limit: int | None) 
         root = SHARED / "flowers5" if source == "flowers5" else Path(source)
         samples = build_dataset(str(root)).samples
         train, held_out = stratified_split(samples, 0.2, 0)  # learning.py's split: never trained on
+        if held_out_all:
+            held_out = samples
+    if train_images is not None:
+        train = build_dataset(train_images).samples
+    elif held_out_all:
+        raise SystemExit("--held-out all needs --train-images (the images the models were trained on)")
     if limit:
         held_out = held_out[:limit]
     database = [str(Path(p).resolve()) for p, _ in held_out]
@@ -86,7 +136,7 @@ def build(source: str, out: Path, n_queries: int, seed: int, limit: int | None) 
     queries, positives, records = [], [], []
     for i, index in enumerate(chosen):
         with Image.open(database[index]) as image:
-            copy, quality, record = transformed_copy(image, rng)
+            copy, quality, record = PRESETS[preset](image, rng)
         name = f"queries/q{i:04d}.jpg"
         buffer = io.BytesIO()
         copy.save(buffer, "JPEG", quality=quality)  # the JPEG re-encoding is part of the transformation
@@ -94,7 +144,8 @@ def build(source: str, out: Path, n_queries: int, seed: int, limit: int | None) 
         queries.append(name)
         positives.append([index])
         records.append({"query": name, "source": index, **record})
-    spec = {"database": database, "queries": queries, "positives": positives, "transforms": records}
+    spec = {"database": database, "queries": queries, "positives": positives, "transforms": records,
+            "preset": preset}  # fmt: skip
     (out / "benchmark.json").write_text(json.dumps(spec, indent=1))
     (out / "train_images.txt").write_text("".join(f"{Path(p).resolve()}\n" for p, _ in train))
     print(f"{out / 'benchmark.json'}: {len(database)} database photos, {len(queries)} transformed queries")
@@ -128,8 +179,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         models.append(("random init", None, _random_init(like, args.arch, args.depth)))
     train_list = args.train_images or str(Path(args.benchmark).parent / "train_images.txt")
     rows = []
+    jobs = [(m, t) for m in args.methods for t in (["last_block"] if m == "cls" else args.local_tokens)]
     for name, path, model in models:
-        for method in args.methods:
+        for method, tokens in jobs:
             config = RetrievalConfig(
                 dataset="json",
                 data_root=args.benchmark,
@@ -141,15 +193,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                 codebook_size={"vlad": args.vlad_k, "asmk": args.asmk_k}.get(method),
                 no_cache=True,
                 seed=args.seed,
+                local_tokens=tokens,
             )
             start = time.perf_counter()
             result = run_retrieval(config, model=model)
             metrics = result["metrics"]
-            row = {"model": name, "method": method, "k": config.codebook_size, "resolution": args.resolution,
+            row = {"model": name, "method": method, "tokens": tokens, "k": config.codebook_size, "resolution": args.resolution,
                    "mAP": 100 * metrics["mAP"], "mP@1": 100 * metrics["mP@1"],
                    "minutes": round((time.perf_counter() - start) / 60, 2)}  # fmt: skip
             rows.append(row)
-            print(f"RESULT {name:12s} {method:5s} k={row['k']} {args.resolution}px  mAP {row['mAP']:.2f}  "
+            print(f"RESULT {name:12s} {method:5s} {tokens:10s} k={row['k']} {args.resolution}px  mAP {row['mAP']:.2f}  "
                   f"mP@1 {row['mP@1']:.2f}  ({row['minutes']} min)", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "a") as f:
@@ -171,6 +224,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     b.add_argument("--queries", type=int, default=200)
     b.add_argument("--limit", type=int, default=None, help="keep only the first N held-out photos (tests)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="standard",
+        help="standard: 40-80 %% crops, 8-30 degrees, JPEG 20-50; hard: 35-65 %% of each side, up to 20 degrees, "
+        "0.5-1.5x, 20 %% grayscale, JPEG 40-75",
+    )
+    b.add_argument(
+        "--held-out",
+        choices=("split", "all"),
+        default="split",
+        help="split: the held-out 20 %% of the source; all: every source photo (models trained elsewhere)",
+    )
+    b.add_argument("--train-images", default=None, help="the models' training images (with --held-out all)")
     r = sub.add_parser("run", help="evaluate models on a built benchmark")
     r.add_argument("--benchmark", required=True)
     r.add_argument("--weights", action="append", default=[], metavar="NAME=PATH")
@@ -183,6 +250,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     r.add_argument("--train-images", default=None, help="default: train_images.txt beside the benchmark")
     r.add_argument("--max-train-images", type=int, default=500)
+    r.add_argument(
+        "--local-tokens",
+        nargs="+",
+        default=["last_block"],
+        choices=["last_block", "final_norm"],
+        help="VLAD/ASMK patch tokens: each choice is a row (ssl-xcit retrieval --local-tokens)",
+    )
     # Fewer clusters than the paper's ImageNet-scale 256 / 1,024 default would be tuned to this small benchmark;
     # the defaults are kept.
     r.add_argument("--vlad-k", type=int, default=256)
@@ -196,6 +270,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse_args()
     if args.command == "build":
-        build(args.source, args.out, args.queries, args.seed, args.limit)
+        build(
+            args.source,
+            args.out,
+            args.queries,
+            args.seed,
+            args.limit,
+            args.preset,
+            args.held_out == "all",
+            args.train_images,
+        )
     else:
         run(args)

@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the N patch tokens of largest norm per image (default 1000, as HOW; 'all' keeps every token)",
     )
     p.add_argument(
+        "--local-tokens",
+        choices=("last_block", "final_norm"),
+        help="VLAD/ASMK: the backbone's patch tokens (default; XCiT: before class attention) or those after class "
+        "attention and the final norm, which iBOT's patch head trains (docs/ibot.md)",
+    )
+    p.add_argument(
         "--local-dim", type=int, help="PCA dimension of local descriptors (default 128, as the paper)"
     )
     p.add_argument(

@@ -98,6 +98,7 @@ def masked_forward(
     crops: Sequence[torch.Tensor],
     patches: MaskedPatches,
     n_global: int = 2,
+    bn_from_unmasked: bool = False,
 ) -> MaskedForward:
     """Teacher (no grad, unmasked) and student (masked global crops) forwards with their patch heads at the
     masked positions."""
@@ -105,7 +106,7 @@ def masked_forward(
         teacher_output, _, teacher_tokens = teacher.forward_with_patches(crops[:n_global], n_global=n_global)
         teacher_patch_logits = teacher.patch_logits(patches.select(teacher_tokens))
     student_output, student_embedding, student_tokens = student.forward_with_patches(
-        crops, patches.masks, n_global=n_global
+        crops, patches.masks, n_global=n_global, bn_from_unmasked=bn_from_unmasked
     )
     student_patch_logits = student.patch_logits(patches.select(student_tokens))
     return MaskedForward(

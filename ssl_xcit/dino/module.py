@@ -112,6 +112,11 @@ class DINO(DINOLifecycle):
         ibot_out_dim: prototypes of the patch head (None: ``out_dim``, as DINOv2's 65536 for both).
         ibot_warmup_teacher_temp, ibot_teacher_temp, ibot_warmup_teacher_temp_epochs: the patch term's own
             teacher temperature schedule (None: the DINO term's value, as in DINOv2).
+        ibot_weight_warmup_epochs: epochs over which the patch term's weight rises linearly from 0 to
+            ``ibot_loss_weight`` (0: the full weight from the first step, as in DINOv2). Measured in docs/ibot.md.
+        ibot_bn_stats: ``all``: BatchNorm layers (XCiT's stem and LPI) of the student's masked pass normalise with
+            the statistics of all its global crops, blanks included; ``unmasked``: with those of the crops without
+            masked patches (``ssl_xcit.dino.masked_bn``; one process only). Measured in docs/ibot.md.
         mask_ratio_min_max: masked fraction of a masked global crop, uniform in this range (DINOv2: 0.1-0.5).
         mask_probability: share of the global crops that are masked (DINOv2: 0.5).
         sync_every_n_steps: steps between the host's reads of the device (the finite-loss check, the
@@ -161,6 +166,8 @@ class DINO(DINOLifecycle):
         ibot_warmup_teacher_temp: float | None = None,
         ibot_teacher_temp: float | None = None,
         ibot_warmup_teacher_temp_epochs: int | None = None,
+        ibot_weight_warmup_epochs: float = 0.0,
+        ibot_bn_stats: Literal["all", "unmasked"] = "all",
         mask_ratio_min_max: tuple[float, float] = (0.1, 0.5),
         mask_probability: float = 0.5,
         sync_every_n_steps: int = 50,
@@ -209,6 +216,7 @@ class DINO(DINOLifecycle):
             )
         self.mask_sampler = MaskSampler(tuple(mask_ratio_min_max), mask_probability) if self.ibot else None
         self.ibot_out_dim = ibot_out_dim
+        self.ibot_weight_now = float(ibot_loss_weight)  # this step's weight, from the schedule while training
         self.schedules: Schedules | None = None
         self.skipped_batches = 0  # batches skipped because a rank had no readable image
         # (teacher entropy, KL to uniform) of the last step as device tensors, for the DINO and iBOT terms:
@@ -249,6 +257,7 @@ class DINO(DINOLifecycle):
         window_end = (batch_idx + 1) % accumulate == 0
         opt = self.optimizers()
         lr, wd, momentum = self.schedules.at(self.global_step)
+        self.ibot_weight_now = self.schedules.ibot_weight_at(self.global_step)
         crops = self._readable_crops(batch)
         if crops is None:  # every rank skips this batch
             self.skipped_batches += 1

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ssl_xcit.dino.head import DINOHead
+from ssl_xcit.dino.masked_bn import statistics_from_unmasked
 
 
 class MultiCropWrapper(nn.Module):
@@ -45,17 +46,29 @@ class MultiCropWrapper(nn.Module):
         return (head if head is not None else self.head)(patch_tokens)
 
     def forward_with_patches(
-        self, crops: Sequence[torch.Tensor], masks: torch.Tensor | None = None, n_global: int = 2
+        self,
+        crops: Sequence[torch.Tensor],
+        masks: torch.Tensor | None = None,
+        n_global: int = 2,
+        bn_from_unmasked: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Head outputs and embeddings of all crops (as ``forward``), plus the patch tokens (G*B, N, C) of the
-        first ``n_global`` crops, which go through the backbone together with ``masks`` (G*B, N) applied."""
+        first ``n_global`` crops, which go through the backbone together with ``masks`` (G*B, N) applied.
+        ``bn_from_unmasked``: that pass's BatchNorm statistics come from its unmasked crops
+        (``ssl_xcit.dino.masked_bn``)."""
         sizes = {tuple(c.shape[-2:]) for c in crops[:n_global]}
         if len(crops) < n_global or len(sizes) != 1:
             raise ValueError(
                 f"iBOT needs {n_global} global crops of one size first, got sizes {sorted(sizes)}"
             )
         patch_pass = _compiled() if self._compile_patch_pass else _cls_patches
-        embedding, patches = patch_pass(self.backbone, torch.cat(list(crops[:n_global])), masks)
+        stats = (
+            statistics_from_unmasked(self.backbone, masks)
+            if bn_from_unmasked and masks is not None
+            else contextlib.nullcontext()
+        )
+        with stats:
+            embedding, patches = patch_pass(self.backbone, torch.cat(list(crops[:n_global])), masks)
         embeddings = [embedding]
         if len(crops) > n_global:
             embeddings.append(self._embed(crops[n_global:]))

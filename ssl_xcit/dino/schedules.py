@@ -66,6 +66,13 @@ class Schedules(NamedTuple):
     iters_per_epoch: int
     total_batch: int
     peak_lr: float
+    ibot_weight: np.ndarray | None = None  # the patch term's weight per iteration (None: iBOT off)
+
+    def ibot_weight_at(self, step: int) -> float:
+        """The patch term's weight at optimiser ``step`` (its last value past the planned length)."""
+        if self.ibot_weight is None:
+            return 0.0
+        return float(self.ibot_weight[min(step, len(self.ibot_weight) - 1)])
 
     def at(self, step: int) -> tuple[float, float, float]:
         """(lr, weight decay, teacher momentum) at optimiser ``step``; a run extended past its planned length
@@ -105,7 +112,19 @@ def dino_schedules(
         iters_per_epoch=iters,
         total_batch=total_batch,
         peak_lr=peak_lr,
+        ibot_weight=linear_warmup(
+            hp.get("ibot_loss_weight", 0.0), hp.get("ibot_weight_warmup_epochs", 0.0), epochs, iters
+        ),
     )
+
+
+def linear_warmup(value: float, warmup_epochs: float, epochs: int, iters_per_epoch: int) -> np.ndarray:
+    """``value`` per iteration, rising linearly from 0 over the first ``warmup_epochs`` (0: constant)."""
+    schedule = np.full(epochs * iters_per_epoch, float(value))
+    ramp = min(len(schedule), round(warmup_epochs * iters_per_epoch))
+    if ramp > 0:
+        schedule[:ramp] = value * np.arange(ramp) / ramp
+    return schedule
 
 
 def configured_batch_size(loader: Any) -> int:

@@ -33,6 +33,10 @@ def check_settings(hp: Mapping[str, Any]) -> None:
         raise UserError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {hp['koleo_weight']!r}")
     if not hp["ibot_loss_weight"] >= 0:
         raise UserError(f"ibot_loss_weight must be >= 0 (0 disables iBOT), got {hp['ibot_loss_weight']!r}")
+    if not hp.get("ibot_weight_warmup_epochs", 0.0) >= 0:
+        raise UserError(f"ibot_weight_warmup_epochs must be >= 0, got {hp['ibot_weight_warmup_epochs']!r}")
+    if hp.get("ibot_bn_stats", "all") not in ("all", "unmasked"):
+        raise UserError(f"ibot_bn_stats must be 'all' or 'unmasked', got {hp['ibot_bn_stats']!r}")
     out_dim, ibot_out_dim = hp["out_dim"], hp["ibot_out_dim"]
     if hp["ibot_loss_weight"] > 0 and not hp["ibot_separate_head"] and ibot_out_dim not in (None, out_dim):
         raise UserError(
@@ -59,7 +63,14 @@ def compute_losses(
     centres (training) or not (validation)."""
     batch_size = crops[0].shape[0]
     if masks is not None:
-        fw = masked_forward(model.student, model.teacher, crops, masks, NUM_GLOBAL_CROPS)
+        fw = masked_forward(
+            model.student,
+            model.teacher,
+            crops,
+            masks,
+            NUM_GLOBAL_CROPS,
+            bn_from_unmasked=model.hparams.get("ibot_bn_stats", "all") == "unmasked",
+        )
         teacher_output, student_output, embedding = fw.teacher_output, fw.student_output, fw.student_embedding
     else:
         with torch.no_grad():
@@ -81,7 +92,8 @@ def compute_losses(
         patch = model.ibot_loss(
             fw.student_patch_logits, fw.teacher_patch_logits, masks, epoch, update_center=update_center
         )
-        total = total + model.hparams.ibot_loss_weight * patch.loss
+        # The weight of this step (ibot_weight_warmup_epochs ramps it up), a host float: no device read.
+        total = total + model.ibot_weight_now * patch.loss
     return StepLosses(total, dino, koleo, patch, batch_size)
 
 

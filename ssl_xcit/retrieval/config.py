@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from ssl_xcit.errors import UserError
 
 METHODS = ("cls", "vlad", "asmk")
+# Which patch tokens VLAD and ASMK describe an image with: ``last_block``, the backbone's
+# ``forward_patch_tokens`` (XCiT: after the last XCA block, before class attention, as in XCiT's appendix D.3);
+# ``final_norm``, the patch tokens after class attention and the final norm, which iBOT's patch head trains.
+# The two are the same tokens for ViT and CaiT.
+LOCAL_TOKENS = ("last_block", "final_norm")
 DEFAULT_K = {"vlad": 256, "asmk": 1024}
 
 
@@ -24,6 +29,7 @@ class RetrievalConfig:
     train_images: str | None = None
     max_train_images: int | None = None
     max_local: int | None = 1000
+    local_tokens: str = "last_block"
     local_dim: int = 128
     local_whiten: float = 0.0
     multiscale: bool = False
@@ -56,6 +62,8 @@ class RetrievalConfig:
             raise UserError(f"unknown retrieval method {self.method!r}; valid: {', '.join(METHODS)}")
         if self.resolution < 16:
             raise UserError(f"resolution must be at least one patch (>= 16 px), got {self.resolution}")
+        if self.local_tokens not in LOCAL_TOKENS:
+            raise UserError(f"unknown local_tokens {self.local_tokens!r}; valid: {', '.join(LOCAL_TOKENS)}")
         if self.max_local is not None and self.max_local < 1:
             raise UserError(f"max_local must be >= 1 (or None for all tokens), got {self.max_local}")
         if self.method in ("vlad", "asmk") and self.train_images is None:

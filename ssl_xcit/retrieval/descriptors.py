@@ -89,20 +89,26 @@ def extract_local(
     num_workers: int = 0,
     dtype: torch.dtype = torch.float16,
     progress: str = "",
+    tokens: str = "last_block",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local descriptors of every image, concatenated: ``(descriptors (sum n_i, d), counts (N,))``.
 
     Each image's patch tokens are capped to ``max_local`` by norm, L2-normalised, then passed through
     ``transform`` (the learnt PCA, which L2-normalises again) and stored as ``dtype`` (float16 by default:
     ROxford at 1,000 x 128-d is 1.3 GB instead of 2.6 GB). The model is handed back as in
-    :func:`extract_global`.
+    :func:`extract_global`. ``tokens``: ``last_block`` (``forward_patch_tokens``) or ``final_norm`` (the patch
+    tokens of ``forward_cls_patches``; ``ssl_xcit.retrieval.config.LOCAL_TOKENS``).
     """
     per_image: list[torch.Tensor | None] = [None] * len(images)
     start = time.perf_counter()
     with eval_mode(model, device), torch.inference_mode():
         for x, i in _loader(images, num_workers):
-            tokens, _ = model.forward_patch_tokens(x.unsqueeze(0).to(device))
-            desc = select_local(tokens[0], max_local)
+            batch = x.unsqueeze(0).to(device)
+            if tokens == "final_norm":
+                patch = model.forward_cls_patches(batch)[1]
+            else:
+                patch = model.forward_patch_tokens(batch)[0]
+            desc = select_local(patch[0], max_local)
             if transform is not None:
                 desc = transform(desc.cpu())
             per_image[i] = desc.to("cpu", dtype)

@@ -162,6 +162,7 @@ class DescriptorStore:
                         self.config.max_local,
                         pca,
                         progress=self._progress(name),
+                        tokens=self.config.local_tokens,
                         **self.extract,
                     ),
                     strict=True,
@@ -253,7 +254,10 @@ def local_ranking(
     k = config.codebook_size or DEFAULT_K[config.method]
     local_meta = {
         **store.base_meta,
-        "descriptor": "patch_tokens_before_class_attention",
+        "descriptor": {
+            "last_block": "patch_tokens_before_class_attention",
+            "final_norm": "patch_tokens_final_norm",
+        }[config.local_tokens],
         "max_local": config.max_local,
     }
     pca, centroids, pca_meta = learn_local_codebook(store, train_images, local_meta, k, timings)
