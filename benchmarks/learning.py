@@ -112,6 +112,18 @@ def knn_top1(model: nn.Module, bank, queries, k: int = 20) -> float:
     return 100.0 * float((scores.argmax(1) == q["labels"]).float().mean())
 
 
+def teacher_weights(model: DINO) -> dict[str, Any]:
+    """The teacher backbone's state dict with its architecture, which ``build_backbone(path)`` reads (a plain
+    state dict cannot tell, e.g., a ViT with 8-px patches from the registered 16-px one)."""
+    return {
+        "state_dict": model.teacher.backbone.state_dict(),
+        "hyper_parameters": {
+            "backbone": model.hparams.backbone,
+            "backbone_kwargs": model.hparams.backbone_kwargs,
+        },
+    }
+
+
 class SaveTeacher(L.Callback):
     """The teacher backbone's state dict after every epoch, for curves of quality against steps."""
 
@@ -121,7 +133,7 @@ class SaveTeacher(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         out = self.path.with_name(f"{self.path.stem}_e{trainer.current_epoch + 1}{self.path.suffix}")
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(pl_module.teacher.backbone.state_dict(), out)
+        torch.save(teacher_weights(pl_module), out)
 
 
 class Signals(L.Callback):
@@ -198,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.save:
         # A plain state dict: `build_backbone(path)` infers the variant, so retrieval benchmarks can load it.
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(model.teacher.backbone.state_dict(), args.save)
+        torch.save(teacher_weights(model), args.save)
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
