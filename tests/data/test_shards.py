@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from litdata import StreamingDataset
 from PIL import Image
 
@@ -131,3 +132,89 @@ def test_bad_arguments(folder: Path, tmp_path: Path) -> None:
         )
     with pytest.raises(UserError, match="--resize-short 0: give a positive"):
         prepare_shards(folder, tmp_path / "o3", resize_short=0)
+
+
+# ----------------------------------------------------------------------------------- ShardImageDataset
+
+
+def test_build_dataset_reads_shards_like_the_folder(folder: Path, tmp_path: Path) -> None:
+    from ssl_xcit.data.datasets import build_dataset
+    from ssl_xcit.data.shard_dataset import ShardImageDataset
+    from ssl_xcit.data.transforms import eval_transform
+
+    prepare_shards(folder, tmp_path / "out", workers=2, chunk_bytes="3KB", progress=False)
+    transform = eval_transform(resize=36, crop=32)
+    files, shards = build_dataset(folder, transform), build_dataset(tmp_path / "out", transform)
+    assert isinstance(shards, ShardImageDataset)
+    assert shards.classes == files.classes and shards.targets == files.targets and len(shards) == len(files)
+    assert [p.as_posix() for p, _ in shards.samples] == [
+        p.relative_to(folder).as_posix() for p, _ in files.samples
+    ]
+    for i in range(len(files)):
+        a, b = files[i], shards[i]
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:] == (files.targets[i], i)
+    unlabelled = build_dataset(tmp_path / "out", labelled=False)
+    assert unlabelled.classes is None and set(unlabelled.targets) == {-1}
+    part = shards.subset([5, 1])
+    assert part.targets == [1, 0] and torch.equal(part[0][0], shards[5][0]) and part[0][2] == 0
+
+
+def test_corrupt_record_is_skipped_and_counted(tmp_path: Path) -> None:
+    """A record whose bytes do not decode (written with LitData directly) gives ``None`` once, is counted, and
+    the collate drops it from the batch, also with DataLoader workers."""
+    import litdata
+    from torch.utils.data import DataLoader
+
+    from ssl_xcit.data.datasets import UnreadableImageWarning, collate_skip_none
+    from ssl_xcit.data.shard_dataset import ShardImageDataset
+    from ssl_xcit.data.transforms import eval_transform
+
+    good = make_folder(tmp_path / "src", {"a": [(20, 20)] * 2})
+    images = [
+        (good / "a" / "img00.jpg").read_bytes(),
+        b"\xff\xd8 truncated",
+        (good / "a" / "img01.jpg").read_bytes(),
+    ]
+    out = tmp_path / "out"
+    litdata.optimize(
+        _write_raw,
+        [(data, f"a/{i}.jpg") for i, data in enumerate(images)],
+        output_dir=str(out),
+        chunk_bytes="64MB",
+        num_workers=1,
+        reorder_files=False,
+        keep_data_ordered=True,
+        verbose=False,
+        start_method="fork",
+    )
+    samples = [[f"a/{i}.jpg", 0] for i in range(3)]
+    (out / META_FILE).write_text(json.dumps({"format": 1, "id": "x", "classes": ["a"], "samples": samples}))
+    ds = ShardImageDataset(out, eval_transform(resize=18, crop=16))
+    # Workers flag the record in shared memory (their warnings stay in the workers).
+    loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=collate_skip_none)
+    batches = [b for _ in range(2) for b in loader]
+    assert [b[2].tolist() for b in batches] == [[0, 2], [0, 2]]
+    assert ds.num_skipped == 1 and [p.as_posix() for p in ds.skipped_paths()] == ["a/1.jpg"]
+    fresh = ShardImageDataset(out)
+    with pytest.warns(UnreadableImageWarning, match="skipping unreadable image a/1.jpg"):
+        assert fresh[1] is None
+    assert fresh[1] is None and fresh.num_skipped == 1 and fresh.verify() == 1
+
+
+def _write_raw(item: tuple[bytes, str]) -> dict:
+    return {"image": item[0], "label": 0, "path": item[1]}
+
+
+def test_shards_feature_cache_key_changes_with_each_preparation(folder: Path, tmp_path: Path) -> None:
+    from ssl_xcit.data.datasets import build_dataset
+    from ssl_xcit.evaluation.features import FeatureConfig
+    from ssl_xcit.evaluation.keys import feature_meta
+
+    def key() -> dict:
+        return feature_meta(build_dataset(tmp_path / "out"), weights=None, arch="x", config=FeatureConfig(1))
+
+    prepare_shards(folder, tmp_path / "out", progress=False)
+    first = key()
+    assert key() == first
+    prepare_shards(folder, tmp_path / "out", overwrite=True, resize_short=16, progress=False)
+    assert key()["files"] != first["files"]  # same paths and labels, other pixels: never a stale cache hit
