@@ -3,7 +3,7 @@
 ssl-xcit prepare photos/ photos_shards/ --workers 8
 ssl-xcit prepare train.txt s3://bucket/train --resize-short 512
 
-Every command that takes an image folder (``fit``'s data roots, ``knn``, ``linear``, ``embed``) takes OUT too.
+``knn``, ``linear`` and ``embed`` take OUT wherever they take an image folder.
 """
 
 from __future__ import annotations

@@ -44,9 +44,10 @@ class ShardImageDataset(ImageDataset):
                 "needs a transform of PIL images"
             )
         self.root = str(root) if is_url(root) else str(Path(root).expanduser())
-        self.meta = read_meta(self.root)
-        stored = self.meta["samples"]
-        classes = self.meta["classes"]
+        meta = read_meta(self.root)
+        stored = meta.pop("samples")  # kept once, as ``samples``: every DataLoader worker gets a copy
+        self.meta, self.num_records = meta, len(stored)
+        classes = meta["classes"]
         if labelled and classes is None:
             raise UserError(f"labels were requested but the prepared dataset {root} is unlabelled")
         if labelled is False:
@@ -66,10 +67,10 @@ class ShardImageDataset(ImageDataset):
             from litdata import StreamingDataset
 
             stream = StreamingDataset(self.root)
-            if len(stream) != len(self.meta["samples"]):
+            if len(stream) != self.num_records:
                 raise UserError(
                     f"{self.root}: index.json lists {len(stream)} records, ssl_xcit_shards.json "
-                    f"{len(self.meta['samples'])}; the folder mixes two preparations, prepare it again"
+                    f"{self.num_records}; the folder mixes two preparations, prepare it again"
                 )
             self._stream, self._stream_pid = stream, os.getpid()
         return self._stream

@@ -1,6 +1,6 @@
 """LitData shards: the on-disk (or object-storage) format that ``ssl-xcit prepare`` writes and every command reads.
 
-A prepared dataset is a folder (local, or a ``s3://``, ``gs://`` or ``azure://`` URL) holding LitData's chunk files
+A prepared dataset is a folder (local, or an ``s3://`` or ``gs://`` URL) holding LitData's chunk files
 and ``index.json``, plus our own ``ssl_xcit_shards.json`` written last: the class list, counts and the settings
 of ``prepare``. Its presence is what marks the dataset finished, so a folder with chunks but no
 ``ssl_xcit_shards.json`` is an interrupted ``prepare`` and is refused, never read as a smaller dataset.
@@ -55,8 +55,8 @@ def is_shard_root(root: str | Path) -> bool:
 
 def fetch_file(root: str | Path, name: str, dest: str | Path) -> Path | None:
     """The file ``name`` of a prepared dataset as a local path (downloaded into ``dest`` for a URL); None when
-    it does not exist. Object storage goes through LitData's own providers (s3, gs), the clients that read the
-    chunks, so reading a remote dataset needs no further credentials or packages."""
+    it does not exist. Object storage goes through LitData's own providers (s3, gs), the clients it reads the
+    chunks with, so the marker needs no other credentials than the chunks. (LitData has no azure provider.)"""
     if not is_url(root):
         path = Path(root).expanduser() / name
         return path if path.is_file() else None
@@ -284,8 +284,11 @@ def _summary(
     index_path = fetch_file(target, "index.json", scratch)
     chunks = json.loads(index_path.read_text())["chunks"] if index_path is not None else []
     stored = sum(c["chunk_size"] for c in chunks)
-    if stored != len(kept):  # would break the record -> path mapping below; never expected
-        raise RuntimeError(f"LitData wrote {stored} records for {len(kept)} readable files")
+    # LitData logs a failing worker and returns; a short output would break the record -> path mapping
+    if stored != len(kept):
+        raise RuntimeError(
+            f"LitData wrote {stored} records for {len(kept)} readable files (a worker failed?)"
+        )
     return {
         "format": FORMAT_VERSION,
         "id": uuid.uuid4().hex,  # a new id per run: feature caches keyed on it never mix two preparations

@@ -63,6 +63,24 @@ def test_knn_on_shards_equals_knn_on_the_folder(flowers_small, tmp_path: Path, c
     assert torch.equal(features[0]["features"], features[1]["features"])
     assert torch.equal(features[0]["labels"], features[1]["labels"])
 
+    # embed keys its rows by the records' paths, relative to the folder that was prepared.
+    from ssl_xcit.evaluation.embedding_files import read_embeddings
+
+    args = ["--arch", ARCH, "--resize-size", str(RESIZE), "--crop-size", str(CROP), "--num-workers", "0"]
+    main(
+        [
+            "embed",
+            "--data",
+            str(tmp_path / "val"),
+            "--output",
+            str(tmp_path / "e.npz"),
+            *args,
+            "--no-progress",
+        ]
+    )
+    rows = read_embeddings(tmp_path / "e.npz")
+    assert rows["paths"] == [p.relative_to(val).as_posix() for p in sorted(val.rglob("*.jpg"))]
+
 
 def _one_line_error(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
