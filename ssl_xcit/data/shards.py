@@ -142,6 +142,8 @@ class _RecordWriter:
         self.scratch = scratch
 
     def __call__(self, index: int):
+        from litdata import Text
+
         path, label, rel = self.files[index]
         try:
             with open(path, "rb") as handle:
@@ -156,7 +158,9 @@ class _RecordWriter:
             with open(Path(self.scratch) / f"skipped-{os.getpid()}.jsonl", "a") as log:
                 log.write(json.dumps({"index": index, "path": rel, "error": str(reason)}) + "\n")
             return
-        yield {"image": data, "label": label, "path": rel}
+        # ``Text``: LitData stores a plain string that names an existing file (a relative path, seen from the
+        # worker's folder) as that file's content; Text is stored, and read back, as the string itself.
+        yield {"image": data, "label": label, "path": Text(text=rel)}
 
 
 def _listing(src: Path) -> tuple[list[tuple[str, int, str]], list[str] | None]:

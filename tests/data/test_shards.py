@@ -289,3 +289,17 @@ def test_unsupported_url_scheme_is_one_line() -> None:
         UserError, match="azure://c/ds: this version of ssl-xcit reads prepared datasets from s3://"
     ):
         read_meta("azure://c/ds")
+
+
+def test_paths_that_exist_from_the_working_folder_stay_strings(
+    folder: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """LitData stores a string that names an existing file as that file's content (its format is inferred from
+    the first record); run from inside SRC, every relative path names a file. They must stay paths."""
+    monkeypatch.chdir(folder)
+    prepare_shards(".", tmp_path / "out", workers=2, progress=False)
+    got = records(tmp_path / "out")
+    assert [r["path"] for r in got] == [
+        p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*.jpg"))
+    ]
+    assert [r["image"] for r in got] == [p.read_bytes() for p in sorted(folder.rglob("*.jpg"))]
