@@ -285,6 +285,12 @@ def _summary(
             entry = json.loads(line)
             skipped[entry["index"]] = entry
     kept = [f for i, f in enumerate(files) if i not in skipped]
+    if not kept:
+        first = skipped[min(skipped)]
+        raise UserError(
+            f"no readable image in {src}: all {len(files)} files fail to decode, e.g. {first['path']}: "
+            f"{first['error']}"
+        )
     index_path = fetch_file(target, "index.json", scratch)
     chunks = json.loads(index_path.read_text())["chunks"] if index_path is not None else []
     stored = sum(c["chunk_size"] for c in chunks)

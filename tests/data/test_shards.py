@@ -131,6 +131,13 @@ def test_bad_arguments(folder: Path, tmp_path: Path) -> None:
         prepare_shards(
             prepare_shards(folder, tmp_path / "out", progress=False) and tmp_path / "out", tmp_path / "o2"
         )
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.jpg").write_text("not a JPEG")
+    with pytest.raises(
+        UserError, match="no readable image in .*bad: all 1 files fail to decode, e.g. a.jpg: not"
+    ):
+        prepare_shards(tmp_path / "bad", tmp_path / "o4", progress=False)
+    assert not (tmp_path / "o4").exists() and not list(tmp_path.glob(".o4.*"))
     with pytest.raises(UserError, match="--resize-short 0: give a positive"):
         prepare_shards(folder, tmp_path / "o3", resize_short=0)
 
