@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace an OUT that holds a prepared dataset, finished or interrupted (only once the new one is "
         "complete); default: refuse",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar and no summary")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (the summary is still printed)"
+    )
     return parser
 
 

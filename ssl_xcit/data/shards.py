@@ -211,6 +211,7 @@ def prepare_shards(
     chunk_bytes: str = "64MB",
     overwrite: bool = False,
     progress: bool = True,
+    print_summary: bool = True,
 ) -> dict[str, Any]:
     """Write the images of ``src`` (an ImageFolder tree, a folder or a list file) as LitData shards in ``out``.
 
@@ -265,7 +266,7 @@ def prepare_shards(
             if not is_url(out):
                 shutil.rmtree(target, ignore_errors=True)
             raise
-    if progress:
+    if print_summary:
         print(format_summary(meta, out))
     return meta
 

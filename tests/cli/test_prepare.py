@@ -100,7 +100,10 @@ def test_prepare_errors_are_one_line(tmp_path: Path, capsys) -> None:
     Image.new("RGB", (8, 8)).save(src / "x.png")
     err = _one_line_error(["prepare", str(tmp_path / "nope"), str(tmp_path / "out")], capsys)
     assert f"data root {tmp_path / 'nope'} does not exist" in err
+    (src / "bad.jpg").write_bytes(b"\xff\xd8 not a JPEG")
     main(["prepare", str(tmp_path / "src"), str(tmp_path / "out"), "--no-progress"])
+    out = capsys.readouterr().out  # the summary names every skipped file
+    assert "1 of 2 files (1 classes)" in out and "; 1 unreadable files skipped\n  skipped a/bad.jpg: " in out
     err = _one_line_error(["prepare", str(tmp_path / "src"), str(tmp_path / "out")], capsys)
     assert f"{tmp_path / 'out'} is already a prepared dataset; pass --overwrite to replace it" in err
     (tmp_path / "out" / "ssl_xcit_shards.json").unlink()
