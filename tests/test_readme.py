@@ -64,6 +64,7 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit knn ", _FEATURES),
     (r"^ssl-xcit linear ", [*_FEATURES, "--epochs", "1"]),
     (r"^ssl-xcit embed ", _FEATURES),
+    (r"^ssl-xcit prepare ", ["--no-progress"]),
     (r"^ssl-xcit fit -c eval/linear_xcit\.yaml ", [*_TRAIN, "--data.batch_size=4", "--data.num_workers=0",
                                                    "--data.crop_size=32", "--data.resize_size=32"]),
     (r"^ssl-xcit retrieval ", _RETRIEVAL),

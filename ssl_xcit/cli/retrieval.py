@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--train-images",
-        help="folder or .txt list of images to learn PCA/codebooks on, independent of the benchmark; "
+        help="folder, .txt list or prepared dataset (ssl-xcit prepare) of images to learn PCA/codebooks on, "
+        "independent of the benchmark; "
         "'database' learns on the benchmark's own database (optimistic)",
     )
     p.add_argument("--max-train-images", type=_optional_int, help="use at most this many training images")

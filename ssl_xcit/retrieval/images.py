@@ -13,13 +13,18 @@ Image scaling convention (one rule for every benchmark, documented in docs/retri
   beyond the resampling filter.
 
 Decoding (EXIF orientation, JPEG draft) is ``ssl_xcit.data.datasets.load_image``, shared with training.
+
+The training set (``--train-images``) may be a prepared dataset (``ssl-xcit prepare``): its records stand in for
+files as :class:`RecordRef`, decoded by the same code from the record's bytes.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,8 +36,47 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.retrieval.ground_truth import check_files_exist
 
 
-def list_images(source: str | Path) -> list[Path]:
-    """Images of a training set: a folder searched recursively, or a .txt file with one path per line."""
+class RecordRef:
+    """Record ``index`` of a prepared dataset (a ``ShardImageDataset``), in place of an image path."""
+
+    def __init__(self, dataset: Any, index: int) -> None:
+        self.dataset, self.index = dataset, index
+
+    @property
+    def stem(self) -> str:
+        return self.dataset.samples[self.index][0].stem
+
+    def open(self) -> io.BytesIO:
+        return io.BytesIO(self.dataset.read_record(self.index)["image"])
+
+    def __str__(self) -> str:
+        return f"{self.dataset.root}/{self.dataset.samples[self.index][0].as_posix()}"
+
+    def key(self) -> list[Any]:
+        """What identifies its bytes: the preparation's id (new on every ``prepare``) and the record."""
+        return [self.dataset.meta["id"], self.dataset.root, self.dataset.records[self.index]]
+
+
+def images_fingerprint(paths: Sequence[str | Path | RecordRef]) -> str:
+    """The cache key of an image list: ``files_fingerprint`` of files, the preparation and record of records."""
+    from ssl_xcit.evaluation.cache import files_fingerprint
+    from ssl_xcit.utils.io import sha256_json
+
+    if not any(isinstance(p, RecordRef) for p in paths):
+        return files_fingerprint(paths)
+    return sha256_json([p.key() if isinstance(p, RecordRef) else str(p) for p in paths])
+
+
+def list_images(source: str | Path) -> list[Path] | list[RecordRef]:
+    """Images of a training set: a folder searched recursively, a .txt file with one path per line, or a
+    prepared dataset (its records)."""
+    from ssl_xcit.data.shards import is_shard_root
+
+    if is_shard_root(source):
+        from ssl_xcit.data.shard_dataset import ShardImageDataset
+
+        dataset = ShardImageDataset(source, labelled=False)
+        return [RecordRef(dataset, i) for i in range(len(dataset))]
     source = Path(source)
     if source.is_file():
         lines = [
@@ -61,7 +105,7 @@ def target_size(width: float, height: float, scale: float, patch_size: int) -> t
 
 
 def load_resized(
-    path: str | Path,
+    path: str | Path | RecordRef,
     resolution: int,
     patch_size: int,
     bbx: tuple[float, float, float, float] | None = None,
@@ -69,14 +113,16 @@ def load_resized(
     rotation: int = 0,
 ) -> Image.Image:
     """Decode, orient, optionally crop, and resize an image following the module's scaling convention."""
-    path = Path(path)
+    source = path.open() if isinstance(path, RecordRef) else Path(path)
     try:
-        with Image.open(path) as header:  # reads the header only: the stored size sets the JPEG draft
+        with Image.open(source) as header:  # reads the header only: the stored size sets the JPEG draft
             stored_w, stored_h = header.size
         scale = resolution / max(stored_w, stored_h)
         # draft keeps both sides >= the request, so ask for the aspect-preserving target size.
         draft = (math.ceil(stored_w * scale), math.ceil(stored_h * scale)) if scale < 1 else None
-        im = load_image(path, exif_transpose=exif_transpose, draft=draft)
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        im = load_image(source, exif_transpose=exif_transpose, draft=draft)
     except (UnidentifiedImageError, OSError) as err:
         raise UserError(f"cannot read image {path}: {err}") from err
     # decoded = (decoded pixels) / (original pixels): draft scales both axes alike, and max() is unchanged by an
@@ -133,7 +179,7 @@ class ImageList(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        p = Path(self.paths[i])
+        p = self.paths[i] if isinstance(self.paths[i], RecordRef) else Path(self.paths[i])
         im = load_resized(
             p,
             self.resolution,

@@ -19,7 +19,6 @@ from ssl_xcit.data.datasets import load_image
 from ssl_xcit.evaluation.cache import (
     checkpoint_fingerprint,
     code_fingerprint,
-    files_fingerprint,
     library_versions,
     load_cached,
     module_fingerprint,
@@ -36,7 +35,7 @@ from ssl_xcit.retrieval.descriptors import (
     extract_local,
     split_counts,
 )
-from ssl_xcit.retrieval.images import load_resized, target_size, to_tensor
+from ssl_xcit.retrieval.images import RecordRef, images_fingerprint, load_resized, target_size, to_tensor
 from ssl_xcit.retrieval.pca import FIT_VERSION as PCA_FIT_VERSION
 from ssl_xcit.retrieval.pca import PCA
 from ssl_xcit.retrieval.vlad import train_codebook, vlad_batch
@@ -60,7 +59,9 @@ def model_fingerprint(model: nn.Module, weights: str | None) -> str:
 def input_code_fingerprint() -> str:
     """Source fingerprint of our code from an image file to the model input: decoding, cropping, resizing
     (to the resolution, then to each scale of multi-scale descriptors)."""
-    return source_fingerprint(load_image, load_resized, target_size, to_tensor, ImageList, _rescale)
+    return source_fingerprint(
+        load_image, load_resized, target_size, to_tensor, ImageList, RecordRef, _rescale
+    )
 
 
 def _subsample(n: int, limit: int | None) -> np.ndarray:
@@ -127,7 +128,7 @@ class DescriptorStore:
     def set_meta(images: ImageList) -> dict:
         """The key fields of an image set: its files and how they are read (crops, EXIF, rotations)."""
         return {
-            "files": files_fingerprint(images.paths),
+            "files": images_fingerprint(images.paths),
             "layout": sha256_json([images.bbx, images.exif_transpose, sorted(images.rotations.items())]),
         }
 

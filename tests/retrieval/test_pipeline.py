@@ -339,3 +339,17 @@ def test_a_module_passed_in_is_keyed_on_its_tensors_not_on_config_weights(setup,
     assert len(entries) == 2  # no stale hit on the file's entry
     a, b = (torch.load(e, weights_only=True)["tensors"]["features"] for e in entries)
     assert not torch.allclose(a, b)
+
+
+def test_train_images_from_a_prepared_dataset_give_the_same_codebook(setup, tmp_path):
+    """``--train-images`` of a prepared dataset (the list file's images as records) learns the same PCA and
+    codebook as the files themselves: identical VLAD results, from descriptors extracted and cached anew."""
+    from ssl_xcit.data.shards import prepare_shards
+
+    prepare_shards(setup["train"], tmp_path / "train_shards", progress=False)
+    files, _ = run_cli(setup, "vlad")
+    before = set(setup["cache"].glob("retrieval-local-train-*.pt"))
+    shards, _ = run_cli(setup, "vlad", "json", None, "--train-images", str(tmp_path / "train_shards"))
+    assert len(set(setup["cache"].glob("retrieval-local-train-*.pt")) - before) == 1  # its own cache entry
+    assert shards["n_train_images"] == files["n_train_images"] == 8
+    assert shards["metrics"]["aps"] == files["metrics"]["aps"] and shards["top_ranks"] == files["top_ranks"]
