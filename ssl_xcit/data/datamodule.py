@@ -35,8 +35,10 @@ from ssl_xcit.data.device_crops import (
     cut_crops,
     decode_batch,
 )
-from ssl_xcit.data.resumable import resumable_loader
+from ssl_xcit.data.resumable import resumable_loader, run_seed
+from ssl_xcit.data.shards import is_shard_root, is_url
 from ssl_xcit.data.splits import stratified_split
+from ssl_xcit.data.streaming import ShardRecords, ShardTrainSet, knn_bank, open_shards, shard_train_loader
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 from ssl_xcit.errors import UserError
@@ -143,7 +145,7 @@ class DINODataModule(L.LightningDataModule):
         self.save_hyperparameters()
         # Fail at construction (before a Trainer exists) on anything checkable without reading the data.
         for name, path in (("root", root), ("val_root", val_root)):
-            if path is not None and not Path(path).expanduser().exists():
+            if path is not None and not is_url(path) and not Path(path).expanduser().exists():
                 raise FileNotFoundError(
                     f"data.{name} {path} does not exist; expected an image folder, an ImageFolder tree or a .txt "
                     "list file"
@@ -253,6 +255,8 @@ class DINODataModule(L.LightningDataModule):
             train_root = synthetic / "train"
             if val_root is None and hp.val_fraction == 0:
                 val_root = str(synthetic / "val")
+        elif is_shard_root(hp.root):
+            return self._setup_shards()
         else:
             train_root = Path(hp.root).expanduser()
         full = build_dataset(train_root, labelled=hp.labelled)
@@ -280,21 +284,35 @@ class DINODataModule(L.LightningDataModule):
         unreadable = self.train_dataset.num_skipped if hp.verify_images else 0
         if unreadable:  # they stay in the index (skipped when drawn); the count says what trains
             kind += f"; {unreadable} unreadable skipped"
+        self._report(len(self.train_dataset) - unreadable, kind, train_root)
+
+    def _setup_shards(self) -> None:
+        """``root`` is a prepared dataset: LitData's streaming training set (``ssl_xcit.data.streaming``)."""
+        hp = self.hparams
+        self.train_dataset, val_set = open_shards(
+            hp.root, hp.val_root, hp.val_fraction, hp.labelled, hp.verify_images, self.train_transform
+        )
+        classes = self.train_dataset.classes
+        self._check_batches(hp.root)
+        self.val_dataset = self._aligned_val(val_set, classes, hp.val_root)
+        kind = f"{len(classes)} classes" if classes else "unlabelled"
+        self._report(self.train_dataset.num_records, f"{kind}, prepared", hp.root)
+
+    def _report(self, images: int, kind: str, train_root: Any) -> None:
         knn = (
             f"k-NN monitor: {len(self.val_dataset)} labelled queries"
             if self.val_dataset is not None
             else f"k-NN monitor off: {self.knn_unavailable_reason}"
         )
-        rank_zero_info(
-            f"DINO data: {len(self.train_dataset) - unreadable} training images ({kind}) from {train_root}; {knn}"
-        )
+        rank_zero_info(f"DINO data: {images} training images ({kind}) from {train_root}; {knn}")
 
     def _check_batches(self, train_root: Path) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
-        per_rank = len(self.train_dataset) // max(world, 1)
+        total = getattr(self.train_dataset, "num_records", None) or len(self.train_dataset)
+        per_rank = total // max(world, 1)
         if per_rank < self.hparams.batch_size:
             raise UserError(
-                f"{train_root} has {len(self.train_dataset)} training images ({per_rank} per device on {world}), "
+                f"{train_root} has {total} training images ({per_rank} per device on {world}), "
                 f"fewer than batch_size={self.hparams.batch_size}: with drop_last no full batch would be left; "
                 "lower data.batch_size"
             )
@@ -322,8 +340,10 @@ class DINODataModule(L.LightningDataModule):
                 f"val_root {val_root} has classes absent from the training data: {unknown[:10]}; "
                 f"training classes: {classes[:10]}{'...' if len(classes) > 10 else ''}"
             )
-        samples = [(p, index[val_set.classes[y]]) for p, y in val_set.samples]
         self.knn_unavailable_reason = None
+        if isinstance(val_set, ShardRecords):
+            return val_set.relabelled(classes)
+        samples = [(p, index[val_set.classes[y]]) for p, y in val_set.samples]
         return ImageDataset(samples, classes)
 
     # ---------------------------------------------------------------------------------------------- loaders
@@ -337,7 +357,21 @@ class DINODataModule(L.LightningDataModule):
     ) -> DataLoader:
         workers = self.hparams.num_workers if num_workers is None else num_workers
         persistent = self.hparams.persistent_workers if persistent_workers is None else persistent_workers
-        device_crops = isinstance(dataset.transform, CropReader)
+        device_crops = isinstance(getattr(dataset, "transform", None), CropReader) or (
+            isinstance(dataset, ShardTrainSet) and isinstance(dataset.item_transform, CropReader)
+        )
+        if train and isinstance(dataset, ShardTrainSet):  # LitData's loader, checkpointed by Lightning too
+            return shard_train_loader(
+                dataset,
+                batch_size,
+                collate_crops if device_crops else collate_train,
+                num_workers=workers,
+                pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
+                persistent_workers=persistent,
+                rank=self.trainer.global_rank if self.trainer is not None else 0,
+                seed=run_seed(),
+                epoch=self._trainer_epoch if self.trainer is not None else None,
+            )
         if train:  # checkpointed by Lightning and resumed mid-epoch exactly (ssl_xcit.data.resumable)
             return resumable_loader(
                 dataset,
@@ -359,6 +393,9 @@ class DINODataModule(L.LightningDataModule):
             collate_fn=collate_crops if device_crops else collate_skip_none,
         )
 
+    def _trainer_epoch(self) -> int:
+        return self.trainer.fit_loop.epoch_progress.current.processed
+
     def train_dataloader(self) -> DataLoader:
         """Shuffled multi-crop batches, ``drop_last=True`` (DINO's centre and BN want full batches), from a
         loader Lightning saves and resumes mid-epoch (``ssl_xcit.data.resumable``)."""
@@ -375,6 +412,8 @@ class DINODataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return []
+        if self._val_crops is None and isinstance(self.val_dataset, ShardRecords):
+            self._val_crops = self.val_dataset.with_transform(self.train_transform)
         if self._val_crops is None:
             self._val_crops = ImageDataset(
                 self.val_dataset.samples, self.val_dataset.classes, self.train_transform
@@ -391,6 +430,15 @@ class DINODataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return None
+        if self._knn is None and isinstance(self.train_dataset, ShardTrainSet):
+            queries = self.val_dataset
+            queries = (
+                queries.with_transform(self.eval_transform)
+                if isinstance(queries, ShardRecords)
+                else ImageDataset(queries.samples, queries.classes, self.eval_transform)
+            )
+            bank = knn_bank(self.train_dataset, self.eval_transform, self.hparams.knn_bank_limit)
+            self._knn = (bank, queries)
         if self._knn is None:
             bank_samples = self.train_dataset.samples
             limit = self.hparams.knn_bank_limit

@@ -146,3 +146,28 @@ def test_two_processes_resume_mid_epoch_exactly(tmp_path):
     for net in ("student", "teacher"):  # DDP kept the ranks identical after the resume
         for key, value in ranks[0]["resumed"][net].items():
             assert torch.equal(ranks[1]["resumed"][net][key], value)
+
+
+# ---------------------------------------------------------------------------------------- LitData shards
+def test_shards_resume_mid_epoch_exactly(tmp_path):
+    """Shards (8 records a chunk): LitData's loader state in the checkpoint finishes the epoch on the records
+    not yet seen, in the uninterrupted run's order, every record once."""
+    result = _single(tmp_path, every=3, crash=7, shards=1)
+    _check_crash_point(result, 6)
+    _assert_exactly_once([result], epochs=1)
+    assert result["loader_state"][0]["dataset"]["num_samples_yielded"] == 24  # 6 batches of 4, in the file
+    _assert_same_weights(result)
+
+
+def test_shards_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch(tmp_path):
+    """The epoch-end state (every record of epoch 0 yielded) starts epoch 1 whole, not an empty replay of 0."""
+    result = _single(tmp_path, epochs=2, every=4, crash=17, shards=1)
+    _check_crash_point(result, 16)
+    _assert_exactly_once([result], epochs=2)
+    _assert_same_weights(result)
+
+
+def test_shards_resume_with_workers_and_device_crops_sees_every_record_once(tmp_path):
+    result = _single(tmp_path, epochs=2, every=9, crash=20, workers=2, shards=1, augment="device")
+    _check_crash_point(result, 18)
+    _assert_exactly_once([result], epochs=2)
