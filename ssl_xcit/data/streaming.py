@@ -20,6 +20,7 @@ Map-style reading (k-NN bank and queries, the val loss) uses :class:`ShardRecord
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -33,16 +34,27 @@ from litdata.streaming.sampler import ChunkedIndex
 from torch.utils.data import Dataset
 
 from ssl_xcit.data.datasets import UnreadableImageWarning
-from ssl_xcit.data.shards import decode_image, is_url, read_meta
+from ssl_xcit.data.shards import META_FILE, decode_image, is_url, read_meta
 from ssl_xcit.errors import UserError
 
 
 def shard_classes(root: str | Path) -> list[str] | None:
-    """The class names of a prepared dataset (None when unlabelled, or for a URL, whose metadata is not read)."""
-    if is_url(root):
-        return None
-    classes = read_meta(root).get("classes")
-    return list(classes) if classes else None
+    """The class names of a prepared dataset (None when unlabelled); a URL's metadata is fetched with
+    LitData's own storage client, the one that then streams its chunks."""
+    if not is_url(root):
+        classes = read_meta(root).get("classes")
+        return list(classes) if classes else None
+    from litdata.streaming.fs_provider import _get_fs_provider
+
+    url = f"{str(root).rstrip('/')}/{META_FILE}"
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            _get_fs_provider(url).download_file(url, str(Path(folder) / META_FILE))
+        except Exception as err:  # boto3 / gcsfs / azure errors share no base class
+            raise UserError(
+                f"cannot read {url} ({err}): an unfinished or foreign `ssl-xcit prepare` output, or no access"
+            ) from err
+        return shard_classes(folder)
 
 
 def _source(root: str | Path) -> str:
