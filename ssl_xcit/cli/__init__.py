@@ -7,6 +7,7 @@
     ssl-xcit linear --weights W --train DIR --val DIR  # linear probe
     ssl-xcit embed --weights W --data DIR --output E.npz  # one embedding row per image
     ssl-xcit retrieval --weights W --dataset roxford5k --data-root D --method vlad
+    ssl-xcit prepare DIR OUT                           # the images as LitData shards, read by every command
     ssl-xcit models                                    # list the registered backbones
 
 Each command lives in its own module and is imported only when used, so ``ssl-xcit models`` does not pay for
@@ -28,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "linear": ("ssl_xcit.cli.linear", "main"),
     "embed": ("ssl_xcit.cli.embed", "main"),
     "retrieval": ("ssl_xcit.cli.retrieval", "main"),
+    "prepare": ("ssl_xcit.cli.prepare", "main"),
     "models": ("ssl_xcit.cli.models", "main"),
     "visualize": ("ssl_xcit.cli.visualize", "main"),
 }

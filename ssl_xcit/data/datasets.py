@@ -272,11 +272,18 @@ def read_list_file(path: Path, labelled: bool | None = None) -> tuple[list[Sampl
 def build_dataset(
     root: str | Path, transform: Callable | None = None, labelled: bool | None = None
 ) -> ImageDataset:
-    """An ImageDataset from an ImageFolder tree, any folder of images (recursive), or a list file.
+    """An ImageDataset from an ImageFolder tree, any folder of images (recursive), a list file, or a dataset
+    written by ``ssl-xcit prepare`` (a :class:`~ssl_xcit.data.shard_dataset.ShardImageDataset`).
 
     ``labelled``: ``None`` detects labels from the layout, ``False`` ignores them (label -1), ``True`` requires
     them. A missing root raises ``FileNotFoundError``; an empty or image-less one raises ``UserError``.
     """
+    from ssl_xcit.data.shards import is_shard_root
+
+    if is_shard_root(root):
+        from ssl_xcit.data.shard_dataset import ShardImageDataset
+
+        return ShardImageDataset(root, transform, labelled)
     root = Path(root).expanduser()
     if not root.exists():
         raise FileNotFoundError(

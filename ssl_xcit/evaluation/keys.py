@@ -53,7 +53,7 @@ def input_code_fingerprint(dataset: Any) -> str:
     from ssl_xcit.data import datasets
 
     transform = getattr(dataset, "transform", None)
-    reader = getattr(transform, "read", None) or datasets.load_image
+    reader = getattr(dataset, "decoder", None) or getattr(transform, "read", None) or datasets.load_image
     ours = [
         type(part)
         for part in _transform_parts(transform)
@@ -91,7 +91,10 @@ def feature_meta(
         "input_code": input_code_fingerprint(dataset),
         "transform": describe_transform(getattr(dataset, "transform", None)),
         "classes": list(getattr(dataset, "classes", None) or []),
-        "files": feature_cache.files_fingerprint([p for p, _ in samples], [int(y) for _, y in samples]),
+        # A prepared dataset's sample paths are not files here: it keys itself (ShardImageDataset).
+        "files": dataset.files_fingerprint()
+        if hasattr(dataset, "files_fingerprint")
+        else feature_cache.files_fingerprint([p for p, _ in samples], [int(y) for _, y in samples]),
         "num_files": len(samples),
         "feature": config.name,
         "precision": feature_cache.precision_key(precision),
