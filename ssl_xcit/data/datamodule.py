@@ -38,7 +38,7 @@ from ssl_xcit.data.device_crops import (
 from ssl_xcit.data.resumable import resumable_loader, run_seed
 from ssl_xcit.data.shards import is_shard_root, is_url
 from ssl_xcit.data.splits import stratified_split
-from ssl_xcit.data.streaming import ShardRecords, ShardTrainSet, knn_bank, open_shards, shard_train_loader
+from ssl_xcit.data.streaming import ShardTrainSet, dataset_view, knn_bank, open_shards, shard_train_loader
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 from ssl_xcit.errors import UserError
@@ -341,10 +341,8 @@ class DINODataModule(L.LightningDataModule):
                 f"training classes: {classes[:10]}{'...' if len(classes) > 10 else ''}"
             )
         self.knn_unavailable_reason = None
-        if isinstance(val_set, ShardRecords):
-            return val_set.relabelled(classes)
         samples = [(p, index[val_set.classes[y]]) for p, y in val_set.samples]
-        return ImageDataset(samples, classes)
+        return dataset_view(val_set, None, samples, classes)
 
     # ---------------------------------------------------------------------------------------------- loaders
     def _loader(
@@ -412,12 +410,8 @@ class DINODataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return []
-        if self._val_crops is None and isinstance(self.val_dataset, ShardRecords):
-            self._val_crops = self.val_dataset.with_transform(self.train_transform)
         if self._val_crops is None:
-            self._val_crops = ImageDataset(
-                self.val_dataset.samples, self.val_dataset.classes, self.train_transform
-            )
+            self._val_crops = dataset_view(self.val_dataset, self.train_transform)
         return self._loader(self._val_crops, self.hparams.batch_size, train=False, persistent_workers=False)
 
     def knn_datasets(self) -> tuple[ImageDataset, ImageDataset] | None:
@@ -431,14 +425,9 @@ class DINODataModule(L.LightningDataModule):
         if self.val_dataset is None:
             return None
         if self._knn is None and isinstance(self.train_dataset, ShardTrainSet):
-            queries = self.val_dataset
-            queries = (
-                queries.with_transform(self.eval_transform)
-                if isinstance(queries, ShardRecords)
-                else ImageDataset(queries.samples, queries.classes, self.eval_transform)
-            )
-            bank = knn_bank(self.train_dataset, self.eval_transform, self.hparams.knn_bank_limit)
-            self._knn = (bank, queries)
+            hp = self.hparams
+            bank = knn_bank(self.train_dataset, self.eval_transform, hp.knn_bank_limit, hp.split_seed)
+            self._knn = (bank, dataset_view(self.val_dataset, self.eval_transform))
         if self._knn is None:
             bank_samples = self.train_dataset.samples
             limit = self.hparams.knn_bank_limit
@@ -449,7 +438,7 @@ class DINODataModule(L.LightningDataModule):
             classes = self.train_dataset.classes
             self._knn = (
                 ImageDataset(bank_samples, classes, self.eval_transform),
-                ImageDataset(self.val_dataset.samples, classes, self.eval_transform),
+                dataset_view(self.val_dataset, self.eval_transform),
             )
         return self._knn
 

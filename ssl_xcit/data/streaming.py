@@ -14,13 +14,12 @@ decode yields ``None`` (dropped by the collate) and is flagged in a shared-memor
 as ``ImageDataset`` does for files, so ``num_skipped`` in the training process counts the records any worker
 met.
 
-Map-style reading (k-NN bank and queries, the val loss) uses :class:`ShardRecords`, an unshuffled
-``StreamingDataset`` indexed by record.
+Map-style reading (k-NN bank and queries, the val loss) uses ``ShardImageDataset`` (records by index, labels
+from the metadata), through :class:`ShardCrops` where the transform is the crop reader.
 """
 
 from __future__ import annotations
 
-import tempfile
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -33,94 +32,71 @@ from litdata import StreamingDataLoader, StreamingDataset
 from litdata.streaming.sampler import ChunkedIndex
 from torch.utils.data import Dataset
 
-from ssl_xcit.data.datasets import UnreadableImageWarning
-from ssl_xcit.data.shards import META_FILE, decode_image, is_url, read_meta
+from ssl_xcit.data.datasets import ImageDataset, UnreadableImageWarning
+from ssl_xcit.data.shard_dataset import ShardImageDataset
+from ssl_xcit.data.shards import decode_image, is_url, read_meta
+from ssl_xcit.data.splits import stratified_split
 from ssl_xcit.errors import UserError
 
 
 def shard_classes(root: str | Path) -> list[str] | None:
-    """The class names of a prepared dataset (None when unlabelled); a URL's metadata is fetched with
-    LitData's own storage client, the one that then streams its chunks."""
-    if not is_url(root):
-        classes = read_meta(root).get("classes")
-        return list(classes) if classes else None
-    from litdata.streaming.fs_provider import _get_fs_provider
-
-    url = f"{str(root).rstrip('/')}/{META_FILE}"
-    with tempfile.TemporaryDirectory() as folder:
-        try:
-            _get_fs_provider(url).download_file(url, str(Path(folder) / META_FILE))
-        except Exception as err:  # boto3 / gcsfs / azure errors share no base class
-            raise UserError(
-                f"cannot read {url} ({err}): an unfinished or foreign `ssl-xcit prepare` output, or no access"
-            ) from err
-        return shard_classes(folder)
+    """The class names of a prepared dataset (local or URL), None when unlabelled."""
+    classes = read_meta(root).get("classes")
+    return list(classes) if classes else None
 
 
 def _source(root: str | Path) -> str:
     return str(root) if is_url(root) else str(Path(root).expanduser().resolve())
 
 
-def transform_record(transform: Callable | None, data: bytes) -> Any:
-    """A record's encoded image through a training/eval transform, as ``ImageDataset`` treats a file."""
-    read = getattr(transform, "read", None)  # the crop reader reads (and maybe keeps) the bytes itself
-    if read is not None:
-        return read(data)
-    image = decode_image(data)
-    return transform(image) if transform is not None else image
+class ShardTrainSet(StreamingDataset):
+    """Shuffled, ``drop_last`` records -> ``(transform(image), label, record index)``, split by LitData.
 
-
-class _Flags:
-    """One shared-memory flag per record: set by whichever worker fails to decode it (see the module doc)."""
-
-    def _init_flags(self, total: int) -> None:
-        self._bad = torch.zeros(total, dtype=torch.bool).share_memory_()
-
-    @property
-    def num_skipped(self) -> int:
-        return int(self._bad.sum())
-
-    def _item(self, record: dict[str, Any], index: int, transform: Callable | None) -> Any:
-        if bool(self._bad[index]):
-            return None
-        try:
-            image = transform_record(transform, record["image"])
-        except Exception as err:  # any decoder failure means "unreadable", as for files
-            self._bad[index] = True
-            warnings.warn(
-                f"skipping unreadable record {index} ({record.get('path')}): {err}",
-                UnreadableImageWarning,
-                stacklevel=2,
-            )
-            return None
-        return image, int(record["label"]), index
-
-
-class ShardTrainSet(_Flags, StreamingDataset):
-    """Shuffled, ``drop_last`` records -> ``(transform(image), label, record index)``, split by LitData."""
+    ``transform``: DINO's PIL multi-crop (applied to the decoded image) or the crop reader (given the bytes).
+    """
 
     def __init__(self, root: str | Path, transform: Callable | None, seed: int) -> None:
         super().__init__(_source(root), shuffle=True, drop_last=True, seed=seed)
         self.root = str(root)
-        self.item_transform = transform
-        self._init_flags(sum(end - start for start, end in self.region_of_interest))
+        self.item_transform = (
+            transform  # not `transform`: StreamingDataset applies that one to the raw record
+        )
+        self.classes: list[str] | None = None
+        total = sum(end - start for start, end in self.region_of_interest)
+        # One flag per record in shared memory, set by whichever worker fails to decode it (module doc).
+        self._bad = torch.zeros(total, dtype=torch.bool).share_memory_()
 
     @property
     def num_records(self) -> int:
         return int(self._bad.numel())
 
+    @property
+    def num_skipped(self) -> int:
+        return int(self._bad.sum())
+
     def __getitem__(self, index: ChunkedIndex | int) -> Any:
         record = super().__getitem__(index)
         i = index.index if isinstance(index, ChunkedIndex) else int(index)
-        return self._item(record, i, self.item_transform)
+        if bool(self._bad[i]):
+            return None
+        read = getattr(self.item_transform, "read", None)  # the crop reader takes the bytes itself
+        try:
+            image = read(record["image"]) if read is not None else decode_image(record["image"])
+        except Exception as err:  # any decoder failure means "unreadable", as for files
+            self._bad[i] = True
+            warnings.warn(
+                f"skipping unreadable record {i} ({record['path']}): {err}",
+                UnreadableImageWarning,
+                stacklevel=2,
+            )
+            return None
+        if read is None and self.item_transform is not None:
+            image = self.item_transform(image)
+        return image, int(record["label"]), i
 
     def skipped_paths(self) -> list[str]:
         reader = StreamingDataset(_source(self.root))
         return [reader[i]["path"] for i in self._bad.nonzero().flatten().tolist()[:5]]
-
-
-# Settings a mid-epoch state must share with the resumed run: any other split would repeat or skip records.
-_SAME = ("world_size", "num_workers", "batch_size", "seed", "shuffle", "drop_last")
 
 
 class ShardLoader(StreamingDataLoader):
@@ -196,63 +172,42 @@ def shard_train_loader(
     return loader
 
 
-class ShardRecords(_Flags, Dataset):
-    """Map-style records in order -> ``(transform(image), label, index)``; ``None`` for an unreadable one.
-
-    ``label_map`` relabels (the k-NN queries take the training class indices). Reading is LitData's random
-    access (``StreamingDataset[i]``), opened lazily so a worker opens its own.
-    """
-
-    def __init__(
-        self,
-        root: str | Path,
-        transform: Callable | None = None,
-        classes: list[str] | None = None,
-        indices: list[int] | None = None,
-        label_map: dict[int, int] | None = None,
-    ) -> None:
-        self.root = str(root)
-        self.transform = transform
-        self.classes = classes
-        self.label_map = label_map
-        self._reader: StreamingDataset | None = None
-        self.indices = list(range(len(self.reader))) if indices is None else list(indices)
-        self._init_flags(len(self.indices))
-
-    @property
-    def reader(self) -> StreamingDataset:
-        if self._reader is None:
-            self._reader = StreamingDataset(_source(self.root))
-        return self._reader
-
-    @property
-    def labelled(self) -> bool:
-        return self.classes is not None
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_reader": None}
+class ShardCrops(ShardImageDataset):
+    """``ShardImageDataset`` whose transform may also be the crop reader (``augment_on=device``), which takes
+    the record's bytes (the val loss's multi-crop batches)."""
 
     def __getitem__(self, index: int) -> Any:
-        record = self.reader[self.indices[index]]
-        if self.label_map is not None:
-            record = {**record, "label": self.label_map.get(int(record["label"]), -1)}
-        return self._item(record, index, self.transform)
+        read = getattr(self.transform, "read", None)
+        if read is None:
+            return super().__getitem__(index)
+        if bool(self._bad[index]):
+            return None
+        record = self.read_record(index)  # its RuntimeError (records and metadata disagree) is not skipped
+        try:
+            item = read(record["image"])
+        except Exception as err:  # any decoder failure means "unreadable", as for files
+            self.mark_unreadable(index, err)
+            return None
+        return item, self.samples[index][1], index
 
-    def with_transform(self, transform: Callable | None) -> ShardRecords:
-        return ShardRecords(self.root, transform, self.classes, self.indices, self.label_map)
 
-    def relabelled(self, classes: list[str]) -> ShardRecords:
-        """The same records, labelled with the indices of ``classes`` (a superset of this set's classes)."""
-        index = {name: i for i, name in enumerate(classes)}
-        label_map = {y: index[name] for y, name in enumerate(self.classes or [])}
-        return ShardRecords(self.root, self.transform, list(classes), self.indices, label_map)
-
-    def skipped_paths(self) -> list[str]:
-        bad = self._bad.nonzero().flatten().tolist()[:5]
-        return [self.reader[self.indices[i]]["path"] for i in bad]
+def dataset_view(
+    dataset: ImageDataset,
+    transform: Callable | None,
+    samples: list[tuple[Any, int]] | None = None,
+    classes: list[str] | None = None,
+) -> ImageDataset:
+    """``dataset``'s images (files or records) with ``transform`` (PIL transform or crop reader), relabelled
+    when ``samples`` (the same images, new labels) and ``classes`` are given."""
+    if not isinstance(dataset, ShardImageDataset):
+        return ImageDataset(
+            dataset.samples if samples is None else samples, classes or dataset.classes, transform
+        )
+    view = ShardCrops(dataset.root, None, labelled=dataset.labelled, records=dataset.records)
+    view.transform = transform  # after construction: ShardImageDataset refuses a reader there
+    if samples is not None:
+        view.samples, view.classes = [(p, int(y)) for p, y in samples], classes
+    return view
 
 
 def open_shards(
@@ -267,7 +222,6 @@ def open_shards(
     dataset or anything ``build_dataset`` reads), before relabelling."""
     from ssl_xcit.data.datasets import build_dataset
     from ssl_xcit.data.resumable import run_seed
-    from ssl_xcit.data.shards import is_shard_root
 
     if val_fraction > 0:
         # A held-out split would need every record's label up front (a read of the whole dataset): prepare the
@@ -286,18 +240,15 @@ def open_shards(
         raise UserError(f"labels were requested but the prepared dataset {root} has none")
     train = ShardTrainSet(root, transform, seed=run_seed())
     train.classes = classes
-    val: Dataset | None = None
-    if val_root is not None:
-        val = ShardRecords(val_root, None, shard_classes(val_root)) if is_shard_root(val_root) else None
-        val = build_dataset(val_root) if val is None else val
-    return train, val
+    return train, build_dataset(val_root) if val_root is not None else None
 
 
-def knn_bank(train: ShardTrainSet, transform: Callable, limit: int | None) -> ShardRecords:
-    """The k-NN bank: the training records with the eval transform, at most ``limit`` evenly spaced ones
-    (not a stratified subsample, which would read every record's label first)."""
-    n = train.num_records
-    indices = None
-    if limit is not None and limit < n:
-        indices = [int(i * n / limit) for i in range(limit)]
-    return ShardRecords(train.root, transform, train.classes, indices)
+def knn_bank(train: ShardTrainSet, transform: Callable, limit: int | None, seed: int) -> ShardCrops:
+    """The k-NN bank: the training records with the eval transform, at most ``limit`` of them (the same
+    deterministic stratified subsample as for folders; the labels come from the metadata, no record is read)."""
+    bank = ShardCrops(train.root, transform, labelled=True)
+    if limit is not None and limit < len(bank):
+        _, kept = stratified_split(bank.samples, limit / len(bank), seed)
+        position = {path: i for i, (path, _) in enumerate(bank.samples)}
+        bank = ShardCrops(train.root, transform, labelled=True, records=[position[p] for p, _ in kept])
+    return bank

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from data.shard_helpers import make_shards
 
+from ssl_xcit.cli import main as ssl_xcit
 from ssl_xcit.cli.train import main
 from ssl_xcit.data.streaming import ShardLoader
 
@@ -13,8 +13,10 @@ from .conftest import tiny_config
 
 
 @pytest.mark.parametrize("augment_on", ["cpu", "device"])
-def test_fit_then_validate_on_shards(tmp_path, image_folder, augment_on):
-    train, val = make_shards(tmp_path / "train", 16), make_shards(tmp_path / "val", 6)
+def test_prepare_then_fit_then_validate_on_shards(tmp_path, image_folder, augment_on):
+    train, val = tmp_path / "train", tmp_path / "val"
+    for split, out in (("train", train), ("val", val)):
+        ssl_xcit(["prepare", str(image_folder / split), str(out), "--chunk-bytes", "2kB", "--no-progress"])
     args = [
         *tiny_config(tmp_path, image_folder),
         f"--data.init_args.root={train}",
@@ -24,6 +26,10 @@ def test_fit_then_validate_on_shards(tmp_path, image_folder, augment_on):
     fit = main(["fit", *args])
     assert isinstance(fit.trainer.train_dataloader, ShardLoader)
     assert fit.trainer.global_step == 4  # 16 records / batch 4, 1 epoch
+    assert fit.datamodule.train_dataset.num_records == 16 and fit.datamodule.train_dataset.classes == [
+        "class0",
+        "class1",
+    ]
     last = tmp_path / "runs" / "version_0" / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert state["num_samples_yielded"] == 16 and state["dataset"]["shuffle"]

@@ -1,5 +1,6 @@
 """Tiny prepared datasets for the shard tests, written with ``litdata.optimize`` in the record format of
-``ssl_xcit.data.shards`` (``prepare`` itself is tested with its own code)."""
+``ssl_xcit.data.shards``: unlike ``prepare`` (which leaves unreadable files out) it can store a record that does
+not decode, and it fixes the records per chunk."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def make_shards(
         fn=_record, inputs=items, output_dir=str(out), chunk_size=chunk_size, num_workers=1, verbose=False,
         keep_data_ordered=True, reorder_files=False, start_method="fork",
     )  # fmt: skip
-    meta = {"format": FORMAT_VERSION, "classes": list(classes) if classes else None, "num_records": n}
+    meta = {
+        "format": FORMAT_VERSION,
+        "id": f"test-{n}",
+        "classes": list(classes) if classes else None,
+        "records": n,
+        "samples": [[path, label] for path, _, label in items],
+    }
     (out / META_FILE).write_text(json.dumps(meta))
     return out

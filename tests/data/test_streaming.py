@@ -13,7 +13,7 @@ import torch
 from ssl_xcit.data.datamodule import DINODataModule, SkippedImagesLogger
 from ssl_xcit.data.datasets import collate_train
 from ssl_xcit.data.device_crops import CropBatch
-from ssl_xcit.data.streaming import ShardLoader, ShardRecords, ShardTrainSet, shard_train_loader
+from ssl_xcit.data.streaming import ShardCrops, ShardLoader, ShardTrainSet, shard_train_loader
 from ssl_xcit.errors import UserError
 
 from .shard_helpers import make_shards
@@ -95,15 +95,28 @@ def test_device_crops_read_record_bytes(shards):
 
 def test_val_and_knn_sets_from_prepared_val_images(shards):
     dm = DINODataModule(
-        root=str(shards[0]), val_root=str(shards[1]), batch_size=4, knn_bank_limit=5, **SMALL_CROPS
+        root=str(shards[0]), val_root=str(shards[1]), batch_size=4, knn_bank_limit=6, **SMALL_CROPS
     )
     dm.setup("fit")
     bank, queries = dm.knn_datasets()
-    assert isinstance(bank, ShardRecords) and bank.indices == [0, 4, 8, 12, 16] and len(queries) == 6
+    assert isinstance(bank, ShardCrops) and len(bank) == 6 and sorted(bank.targets) == [0, 0, 0, 1, 1, 1]
+    assert [int(p.stem) % 2 for p, _ in bank.samples] == bank.targets  # record i has label i % 2
     image, label, index = queries[3]
     assert image.shape == (3, 16, 16) and (label, index) == (1, 3)
     crops, labels, _ = next(iter(dm.val_dataloader()))
     assert len(crops) == 4 and labels.tolist() == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("decode_on", ["worker", "device"])
+def test_val_loss_batches_of_device_crops_read_record_bytes(shards, decode_on):
+    dm = DINODataModule(
+        root=str(shards[0]), val_root=str(shards[1]), batch_size=4, augment_on="device", decode_on=decode_on,
+        **SMALL_CROPS,
+    )  # fmt: skip
+    dm.setup("fit")
+    crops, labels, indices = next(iter(dm.val_dataloader()))
+    assert isinstance(crops, CropBatch) and crops.batch_size == 4 and indices.tolist() == [0, 1, 2, 3]
+    assert len(crops.encoded) == (4 if decode_on == "device" else 0)
 
 
 def test_val_classes_are_mapped_to_the_training_classes(tmp_path):
@@ -147,6 +160,9 @@ def test_a_url_root_is_accepted_until_it_is_read(monkeypatch, tmp_path, shards):
     fetched = []
 
     class Fake:
+        def exists(self, remote):
+            return True
+
         def download_file(self, remote, local):
             fetched.append(remote)
             (tmp_path / "meta.json").write_bytes((shards[0] / "ssl_xcit_shards.json").read_bytes())
