@@ -9,8 +9,10 @@ printed). Per dataset and reader:
   (``build_dataset``) or reading ``index.json`` (``ShardTrainSet``), the loader, its ``--workers`` worker
   start-up and the first batch; the training loaders themselves (``resumable_loader`` for folders,
   ``shard_train_loader`` for shards);
-- images/s per worker: the next ``--batches`` batches with 1 worker, each image decoded (PIL) and resized to
-  64 x 64 (a minimal transform: the reading, not the augmentation, is what differs);
+- images/s per worker: the next ``--batches`` batches with ``--workers`` (1) worker, each image decoded (PIL)
+  and resized to 64 x 64 (a minimal transform: the reading, not the augmentation, is what differs);
+
+both the median of ``--repeats`` passes, folder and shards taking turns;
 - bytes per image: from file sizes, not I/O counters (the page cache is warm and shared with other jobs): a
   folder reads each file whole; shards read whole chunks, so it is the chunk files' total (records, their
   offset tables and headers) over the records, and files opened per epoch is chunks against files.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import statistics
 import time
 from functools import partial
 from pathlib import Path
@@ -137,13 +140,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--prepare-workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=20, help="batches timed after the first")
+    parser.add_argument("--repeats", type=int, default=3, help="passes per reader; the median is printed")
     parser.add_argument("--work", type=Path, required=True, help="folder for the images and shards (kept)")
     parser.add_argument("--ukbench", type=Path, default=UKBENCH, help="folder of the UKBench photos")
     parser.add_argument("--reuse", action="store_true", help="reuse shards prepared by an earlier run")
     parser.add_argument("--tiny", action="store_true", help="40 + 400 files, 2 batches of 8 (a smoke run)")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.files, args.small, args.batch, args.batches = 40, 400, 8, 2
+        args.files, args.small, args.batch, args.batches, args.repeats = 40, 400, 8, 2, 1
     torch.set_num_threads(1)
     sets = {
         f"ukbench x{args.files}": ukbench_folder(args.work, args.files, args.ukbench),
@@ -153,13 +157,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, folder in sets.items():
         shards, prepare_s = shards_of(folder, args.prepare_workers, args.reuse)
         timing = (args.batch, args.workers, args.batches)
-        f_first, f_rate = measure(partial(_folder_loader, folder), *timing)
-        s_first, s_rate = measure(partial(_shard_loader, shards), *timing)
+        passes: dict[str, list] = {"folder": [], "shards": []}
+        for _ in range(args.repeats):  # interleaved, so that a busy moment of the shared machine hits both
+            passes["folder"].append(measure(partial(_folder_loader, folder), *timing))
+            passes["shards"].append(measure(partial(_shard_loader, shards), *timing))
+        (f_first, f_rate), (s_first, s_rate) = (
+            (statistics.median(p[0] for p in runs), statistics.median(p[1] for p in runs))
+            for runs in passes.values()
+        )
         (f_bytes, f_files), (s_bytes, s_files) = folder_bytes(folder), shard_bytes(shards)
         rows.append(dict(name=name, prepare=prepare_s, first=(f_first, s_first), rate=(f_rate, s_rate),
                          bytes=(f_bytes, s_bytes), files=(f_files, s_files)))  # fmt: skip
     print(
-        f"workers {args.workers}, batch {args.batch}, {args.batches} batches timed; folder / shards (ratio)"
+        f"workers {args.workers}, batch {args.batch}, {args.batches} batches timed, median of {args.repeats} "
+        "passes; folder / shards (ratio)"
     )
     head = f"{'dataset':<16} {'prepare s':>9} | {'first batch s':>22} | {'images/s per worker':>26} | "
     print(head + f"{'bytes per image':>26} | {'files per epoch':>16}")
