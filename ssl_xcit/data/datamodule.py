@@ -7,7 +7,10 @@ than ``batch_size``; ``None`` if every item failed). The number of skipped files
 ``num_skipped`` (it counts files flagged by any DataLoader worker, see ``ssl_xcit.data.datasets``) and is
 logged as ``data/skipped_images`` by the ``SkippedImagesLogger`` callback and summarised at ``teardown``.
 
-The training loader is ``ssl_xcit.data.resumable``'s: a ``DistributedSampler`` of its own (with the trainer's
+A prepared dataset (``ssl-xcit prepare``: LitData shards, a folder or an ``s3://`` / ``gs://`` URL) trains
+through LitData's streaming loader instead (``ssl_xcit.data.streaming``), which Lightning checkpoints too.
+
+On folders the training loader is ``ssl_xcit.data.resumable``'s: a ``DistributedSampler`` of its own (with the trainer's
 world size and rank, so Lightning keeps it under DDP) in torchdata's ``StatefulDataLoader``, which Lightning
 checkpoints, so a run resumed from a mid-epoch checkpoint finishes that epoch in the same order, every image
 once.
@@ -54,12 +57,15 @@ class DINODataModule(L.LightningDataModule):
 
     Args:
         root: Training images: an ImageFolder tree (class subfolders give labels), any folder of images (searched
-            recursively, unlabelled) or a .txt file listing image paths (optional label column). None uses the
-            built-in synthetic shapes (train split), generated on first use with no download.
-        val_root: Labelled images for the online k-NN monitor (queries; the bank is the labelled training set).
+            recursively, unlabelled), a .txt file listing image paths (optional label column), or a dataset
+            prepared by ``ssl-xcit prepare`` (a folder or URL; docs/cluster.md). None uses the built-in synthetic
+            shapes (train split), generated on first use with no download.
+        val_root: Labelled images for the online k-NN monitor (queries; the bank is the labelled training set);
+            any of the forms of ``root``.
             With the built-in data it defaults to the synthetic val split.
-        val_fraction: If > 0 and ``root`` is labelled, hold out this fraction of every class (deterministic
-            stratified split) as the k-NN query set; those images are then not trained on.
+        val_fraction: If > 0 and ``root`` is labelled (and not a prepared dataset), hold out this fraction of
+            every class (deterministic stratified split) as the k-NN query set; those images are then not
+            trained on.
         split_seed: Seed of the ``val_fraction`` split (and of the ``knn_bank_limit`` subsample).
         labelled: None detects labels from the layout; False ignores them (e.g. ImageFolder of unrelated
             groups); True requires them.
@@ -355,10 +361,10 @@ class DINODataModule(L.LightningDataModule):
     ) -> DataLoader:
         workers = self.hparams.num_workers if num_workers is None else num_workers
         persistent = self.hparams.persistent_workers if persistent_workers is None else persistent_workers
-        device_crops = isinstance(getattr(dataset, "transform", None), CropReader) or (
-            isinstance(dataset, ShardTrainSet) and isinstance(dataset.item_transform, CropReader)
-        )
-        if train and isinstance(dataset, ShardTrainSet):  # LitData's loader, checkpointed by Lightning too
+        shards = isinstance(dataset, ShardTrainSet)
+        device_crops = isinstance(dataset.item_transform if shards else dataset.transform, CropReader)
+        if train and shards:  # LitData's loader, checkpointed by Lightning too (ssl_xcit.data.streaming)
+            trainer = self.trainer
             return shard_train_loader(
                 dataset,
                 batch_size,
@@ -366,9 +372,11 @@ class DINODataModule(L.LightningDataModule):
                 num_workers=workers,
                 pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
                 persistent_workers=persistent,
-                rank=self.trainer.global_rank if self.trainer is not None else 0,
+                rank=trainer.global_rank if trainer is not None else 0,
                 seed=run_seed(),
-                epoch=self._trainer_epoch if self.trainer is not None else None,
+                epoch=(lambda: trainer.fit_loop.epoch_progress.current.processed)
+                if trainer is not None
+                else None,
             )
         if train:  # checkpointed by Lightning and resumed mid-epoch exactly (ssl_xcit.data.resumable)
             return resumable_loader(
@@ -390,9 +398,6 @@ class DINODataModule(L.LightningDataModule):
             persistent_workers=persistent and workers > 0,
             collate_fn=collate_crops if device_crops else collate_skip_none,
         )
-
-    def _trainer_epoch(self) -> int:
-        return self.trainer.fit_loop.epoch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled multi-crop batches, ``drop_last=True`` (DINO's centre and BN want full batches), from a
