@@ -1,6 +1,6 @@
 """Image folders against prepared LitData shards (``ssl-xcit prepare``), side by side, in one run.
 
-Two datasets: (a) the UKBench photos (640 x 480 JPEGs, about 240 KB) repeated by symlinks to ``--files`` files,
+Two datasets: (a) the UKBench photos (640 x 480 JPEGs, about 240 KB) repeated by copies to ``--files`` files,
 and (b) ``--small`` generated 32 x 32 JPEGs (about 1 KB) in 100 subfolders. Both are built once under ``--work``
 (kept between runs); the shards are prepared from them in this run unless ``--reuse`` (the prepare time is
 printed). Per dataset and reader:
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
+import shutil
 import statistics
 import time
 from functools import partial
@@ -55,15 +55,15 @@ class Minimal:
 
 
 def ukbench_folder(work: Path, files: int, source: Path) -> Path:
-    """``files`` symlinks cycling over the UKBench photos of ``source``."""
+    """``files`` copies cycling over the UKBench photos of ``source``: copies, not links, so that the folder
+    holds as many distinct bytes as the shards made from it (links would read the same few files' cached
+    pages over and over)."""
     folder = work / f"ukbench_{files}"
     if not (folder / ".done").exists():
         folder.mkdir(parents=True, exist_ok=True)
         photos = sorted(source.glob("*.jpg"))
         for i in range(files):
-            link = folder / f"{i:06d}.jpg"
-            if not link.exists():
-                os.symlink(photos[i % len(photos)], link)
+            shutil.copyfile(photos[i % len(photos)], folder / f"{i:06d}.jpg")
         (folder / ".done").touch()
     return folder
 
@@ -120,7 +120,7 @@ def measure(make, batch: int, workers: int, batches: int) -> tuple[float, float]
 
 
 def folder_bytes(folder: Path) -> tuple[float, int]:
-    sizes = [p.stat().st_size for p in folder.rglob("*.jpg")]  # stat follows the symlinks
+    sizes = [p.stat().st_size for p in folder.rglob("*.jpg")]
     return sum(sizes) / len(sizes), len(sizes)
 
 
@@ -134,7 +134,7 @@ def shard_bytes(shards: Path) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--files", type=int, default=2000, help="UKBench files (symlinks), default 2000")
+    parser.add_argument("--files", type=int, default=2000, help="UKBench files (copies), default 2000")
     parser.add_argument("--small", type=int, default=100_000, help="generated 32 px JPEGs, default 100000")
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers (images/s is per worker)")
     parser.add_argument("--prepare-workers", type=int, default=2)

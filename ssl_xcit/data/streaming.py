@@ -136,11 +136,6 @@ class ShardLoader(StreamingDataLoader):
                 + ": the rest of that epoch cannot be split without repeating or skipping records; resume with "
                 "the same devices, data.num_workers, data.batch_size and seed, or from an epoch-end checkpoint"
             )
-        if obj["num_samples_yielded"] >= len(self.dataset):
-            # The saved epoch was complete (an epoch-end checkpoint): LitData would replay its empty rest as
-            # a whole epoch of nothing; start the next one instead.
-            self.current_epoch = int(obj["current_epoch"])
-            return
         super().load_state_dict(obj)
 
 
