@@ -1,12 +1,12 @@
 """Training and monitoring from prepared shards (``ssl-xcit prepare``): LitData's streaming loader.
 
-The training loader is LitData's ``StreamingDataLoader`` over a shuffled ``StreamingDataset``: LitData splits the
-epoch's shuffled chunks over global rank x worker (``drop_last``: every rank gets the same number of full
-batches; what does not fill ``world_size`` x ``batch_size`` at the end of the epoch's shuffled order is dropped,
-at most ``world_size * batch_size - 1`` records an epoch), reads local folders or ``s3://`` / ``gs://`` / ``azure://``
-URLs, and its ``state_dict`` / ``load_state_dict`` resume an epoch on the records not yet seen. Lightning saves
-that state in the checkpoint (it checkpoints any training loader with both methods), so ``--ckpt_path last``
-finishes the interrupted epoch with no record repeated and none lost.
+The training loader is LitData's ``StreamingDataLoader`` over a shuffled ``StreamingDataset``. LitData splits
+the epoch's shuffled chunks over global rank x worker; with ``drop_last`` every rank gets the same number of
+full batches, and what does not fill ``world_size`` x ``batch_size`` at the end of the epoch's shuffled order is
+dropped (at most ``world_size * batch_size - 1`` records an epoch). It reads local folders or ``s3://`` /
+``gs://`` URLs, and its ``state_dict`` / ``load_state_dict`` resume an epoch on the records not yet seen.
+Lightning saves that state in the checkpoint (it checkpoints any training loader with both methods), so
+``--ckpt_path last`` finishes the interrupted epoch with no record repeated and none lost.
 
 Each record goes through the same per-item transform as a file: DINO's PIL multi-crop (``augment_on=cpu``) or
 the crop reader (``augment_on=device``, its ``read`` accepts the record's bytes). A record whose bytes do not
@@ -58,10 +58,9 @@ class ShardTrainSet(StreamingDataset):
     def __init__(self, root: str | Path, transform: Callable | None, seed: int) -> None:
         super().__init__(_source(root), shuffle=True, drop_last=True, seed=seed)
         self.root = str(root)
-        self.item_transform = (
-            transform  # not `transform`: StreamingDataset applies that one to the raw record
-        )
-        self.classes: list[str] | None = None
+        # Not `self.transform`: StreamingDataset applies that one to the raw record itself.
+        self.item_transform = transform
+        self.classes: list[str] | None = None  # None: unlabelled, or labels ignored (label -1)
         total = sum(end - start for start, end in self.region_of_interest)
         # One flag per record in shared memory, set by whichever worker fails to decode it (module doc).
         self._bad = torch.zeros(total, dtype=torch.bool).share_memory_()
@@ -92,7 +91,7 @@ class ShardTrainSet(StreamingDataset):
             return None
         if read is None and self.item_transform is not None:
             image = self.item_transform(image)
-        return image, int(record["label"]), i
+        return image, int(record["label"]) if self.classes is not None else -1, i
 
     def skipped_paths(self) -> list[str]:
         reader = StreamingDataset(_source(self.root))
@@ -219,8 +218,8 @@ def open_shards(
     from ssl_xcit.data.resumable import run_seed
 
     if val_fraction > 0:
-        # A held-out split would need every record's label up front (a read of the whole dataset): prepare the
-        # val images as a dataset of their own instead.
+        # LitData streams every record of every chunk; leaving some out would give the ranks unequal numbers of
+        # batches (or batches short of the held-out records). Prepare the val images as a dataset instead.
         raise UserError(
             f"val_fraction={val_fraction} is not available with a prepared dataset ({root}): give data.val_root "
             "(an image folder or a dataset prepared from the val images) instead"
