@@ -173,3 +173,11 @@ def test_a_url_root_is_accepted_until_it_is_read(monkeypatch, tmp_path, shards):
 
     assert shard_classes("s3://bucket/imagenet-shards/") == ["a", "b"]
     assert fetched == ["s3://bucket/imagenet-shards/ssl_xcit_shards.json"]
+
+
+def test_labels_are_ignored_when_asked(shards):
+    dm = DINODataModule(root=str(shards[0]), labelled=False, batch_size=4, **SMALL_CROPS)
+    dm.setup("fit")
+    _, labels, _ = next(iter(dm.train_dataloader()))
+    assert dm.train_dataset.classes is None and labels.tolist() == [-1] * 4
+    assert dm.knn_datasets() is None and "no labels" in dm.knn_unavailable_reason
