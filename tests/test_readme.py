@@ -56,6 +56,10 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device$", [*_TRAIN, *_DINO, "--run_dir", "runs/device_augment"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device --data\.decode_on device$", [*_TRAIN, *_DINO, "--run_dir", "runs/device_decode"]),
+    (r"^ssl-xcit prepare /data/imagenet/(train|val) /data/imagenet(-val)?-shards --workers 32$", ["--workers", "2", "--no-progress"]),
+    (r"^ssl-xcit prepare \S+ s3://", "needs object storage; URLs are read through a stand-in storage client in tests/data"),
+    (r"^ssl-xcit fit -c recipes/dino_xcit_s12_16\.yaml --data\.root /data/imagenet-shards .* --ckpt_path last$",
+     [*_TRAIN, *_DINO, *_SHALLOW, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/(dino_xcit_\w+|dinov2_xcit_\w+|small_dataset)\.yaml ", [*_TRAIN, *_DINO, *_SHALLOW]),
     (r"^ssl-xcit validate -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO]),
     # ONNX / pt2: traced and checked at 64 px instead of 224 (the docs' python blocks run them at 224).
@@ -171,6 +175,7 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
         "imagenet/val": f"{d}/val", "D/train": f"{d}/train", "D/val": f"{d}/val", "my_photos/": f"{d}/train",
         "W": "teacher.safetensors", "data/roxford5k": str(oxford), "data/holidays": str(shared / "retrieval_mini" / "holidays"),
         "data/train_imgs": str(root / "train_imgs.txt"),
+        "/data/imagenet-shards": str(root / "imagenet-shards"), "/data/imagenet-val-shards": str(root / "imagenet-val-shards"),
         # docs/pictures.md draws the run of docs/make_pictures.sh; here the quickstart's stands in for it
         "runs/pictures/version_0/checkpoints/last.ckpt": "runs/quickstart/version_0/checkpoints/last.ckpt",
     }  # fmt: skip

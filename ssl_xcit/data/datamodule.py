@@ -7,7 +7,10 @@ than ``batch_size``; ``None`` if every item failed). The number of skipped files
 ``num_skipped`` (it counts files flagged by any DataLoader worker, see ``ssl_xcit.data.datasets``) and is
 logged as ``data/skipped_images`` by the ``SkippedImagesLogger`` callback and summarised at ``teardown``.
 
-The training loader is ``ssl_xcit.data.resumable``'s: a ``DistributedSampler`` of its own (with the trainer's
+A prepared dataset (``ssl-xcit prepare``: LitData shards, a folder or an ``s3://`` / ``gs://`` URL) trains
+through LitData's streaming loader instead (``ssl_xcit.data.streaming``), which Lightning checkpoints too.
+
+On folders the training loader is ``ssl_xcit.data.resumable``'s: a ``DistributedSampler`` of its own (with the trainer's
 world size and rank, so Lightning keeps it under DDP) in torchdata's ``StatefulDataLoader``, which Lightning
 checkpoints, so a run resumed from a mid-epoch checkpoint finishes that epoch in the same order, every image
 once.
@@ -35,8 +38,10 @@ from ssl_xcit.data.device_crops import (
     cut_crops,
     decode_batch,
 )
-from ssl_xcit.data.resumable import resumable_loader
+from ssl_xcit.data.resumable import resumable_loader, run_seed
+from ssl_xcit.data.shards import is_shard_root, is_url
 from ssl_xcit.data.splits import stratified_split
+from ssl_xcit.data.streaming import ShardTrainSet, dataset_view, knn_bank, open_shards, shard_train_loader
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 from ssl_xcit.errors import UserError
@@ -52,12 +57,15 @@ class DINODataModule(L.LightningDataModule):
 
     Args:
         root: Training images: an ImageFolder tree (class subfolders give labels), any folder of images (searched
-            recursively, unlabelled) or a .txt file listing image paths (optional label column). None uses the
-            built-in synthetic shapes (train split), generated on first use with no download.
-        val_root: Labelled images for the online k-NN monitor (queries; the bank is the labelled training set).
+            recursively, unlabelled), a .txt file listing image paths (optional label column), or a dataset
+            prepared by ``ssl-xcit prepare`` (a folder or URL; docs/cluster.md). None uses the built-in synthetic
+            shapes (train split), generated on first use with no download.
+        val_root: Labelled images for the online k-NN monitor (queries; the bank is the labelled training set);
+            any of the forms of ``root``.
             With the built-in data it defaults to the synthetic val split.
-        val_fraction: If > 0 and ``root`` is labelled, hold out this fraction of every class (deterministic
-            stratified split) as the k-NN query set; those images are then not trained on.
+        val_fraction: If > 0 and ``root`` is labelled (and not a prepared dataset), hold out this fraction of
+            every class (deterministic stratified split) as the k-NN query set; those images are then not
+            trained on.
         split_seed: Seed of the ``val_fraction`` split (and of the ``knn_bank_limit`` subsample).
         labelled: None detects labels from the layout; False ignores them (e.g. ImageFolder of unrelated
             groups); True requires them.
@@ -143,7 +151,7 @@ class DINODataModule(L.LightningDataModule):
         self.save_hyperparameters()
         # Fail at construction (before a Trainer exists) on anything checkable without reading the data.
         for name, path in (("root", root), ("val_root", val_root)):
-            if path is not None and not Path(path).expanduser().exists():
+            if path is not None and not is_url(path) and not Path(path).expanduser().exists():
                 raise FileNotFoundError(
                     f"data.{name} {path} does not exist; expected an image folder, an ImageFolder tree or a .txt "
                     "list file"
@@ -253,6 +261,8 @@ class DINODataModule(L.LightningDataModule):
             train_root = synthetic / "train"
             if val_root is None and hp.val_fraction == 0:
                 val_root = str(synthetic / "val")
+        elif is_shard_root(hp.root):
+            return self._setup_shards()
         else:
             train_root = Path(hp.root).expanduser()
         full = build_dataset(train_root, labelled=hp.labelled)
@@ -280,21 +290,35 @@ class DINODataModule(L.LightningDataModule):
         unreadable = self.train_dataset.num_skipped if hp.verify_images else 0
         if unreadable:  # they stay in the index (skipped when drawn); the count says what trains
             kind += f"; {unreadable} unreadable skipped"
+        self._report(len(self.train_dataset) - unreadable, kind, train_root)
+
+    def _setup_shards(self) -> None:
+        """``root`` is a prepared dataset: LitData's streaming training set (``ssl_xcit.data.streaming``)."""
+        hp = self.hparams
+        self.train_dataset, val_set = open_shards(
+            hp.root, hp.val_root, hp.val_fraction, hp.labelled, hp.verify_images, self.train_transform
+        )
+        classes = self.train_dataset.classes
+        self._check_batches(hp.root)
+        self.val_dataset = self._aligned_val(val_set, classes, hp.val_root)
+        kind = f"{len(classes)} classes" if classes else "unlabelled"
+        self._report(self.train_dataset.num_records, f"{kind}, prepared", hp.root)
+
+    def _report(self, images: int, kind: str, train_root: Any) -> None:
         knn = (
             f"k-NN monitor: {len(self.val_dataset)} labelled queries"
             if self.val_dataset is not None
             else f"k-NN monitor off: {self.knn_unavailable_reason}"
         )
-        rank_zero_info(
-            f"DINO data: {len(self.train_dataset) - unreadable} training images ({kind}) from {train_root}; {knn}"
-        )
+        rank_zero_info(f"DINO data: {images} training images ({kind}) from {train_root}; {knn}")
 
     def _check_batches(self, train_root: Path) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
-        per_rank = len(self.train_dataset) // max(world, 1)
+        total = getattr(self.train_dataset, "num_records", None) or len(self.train_dataset)
+        per_rank = total // max(world, 1)
         if per_rank < self.hparams.batch_size:
             raise UserError(
-                f"{train_root} has {len(self.train_dataset)} training images ({per_rank} per device on {world}), "
+                f"{train_root} has {total} training images ({per_rank} per device on {world}), "
                 f"fewer than batch_size={self.hparams.batch_size}: with drop_last no full batch would be left; "
                 "lower data.batch_size"
             )
@@ -322,9 +346,9 @@ class DINODataModule(L.LightningDataModule):
                 f"val_root {val_root} has classes absent from the training data: {unknown[:10]}; "
                 f"training classes: {classes[:10]}{'...' if len(classes) > 10 else ''}"
             )
-        samples = [(p, index[val_set.classes[y]]) for p, y in val_set.samples]
         self.knn_unavailable_reason = None
-        return ImageDataset(samples, classes)
+        samples = [(p, index[val_set.classes[y]]) for p, y in val_set.samples]
+        return dataset_view(val_set, None, samples, classes)
 
     # ---------------------------------------------------------------------------------------------- loaders
     def _loader(
@@ -337,7 +361,23 @@ class DINODataModule(L.LightningDataModule):
     ) -> DataLoader:
         workers = self.hparams.num_workers if num_workers is None else num_workers
         persistent = self.hparams.persistent_workers if persistent_workers is None else persistent_workers
-        device_crops = isinstance(dataset.transform, CropReader)
+        shards = isinstance(dataset, ShardTrainSet)
+        device_crops = isinstance(dataset.item_transform if shards else dataset.transform, CropReader)
+        if train and shards:  # LitData's loader, checkpointed by Lightning too (ssl_xcit.data.streaming)
+            trainer = self.trainer
+            return shard_train_loader(
+                dataset,
+                batch_size,
+                collate_crops if device_crops else collate_train,
+                num_workers=workers,
+                pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
+                persistent_workers=persistent,
+                rank=trainer.global_rank if trainer is not None else 0,
+                seed=run_seed(),
+                epoch=(lambda: trainer.fit_loop.epoch_progress.current.processed)
+                if trainer is not None
+                else None,
+            )
         if train:  # checkpointed by Lightning and resumed mid-epoch exactly (ssl_xcit.data.resumable)
             return resumable_loader(
                 dataset,
@@ -376,9 +416,7 @@ class DINODataModule(L.LightningDataModule):
         if self.val_dataset is None:
             return []
         if self._val_crops is None:
-            self._val_crops = ImageDataset(
-                self.val_dataset.samples, self.val_dataset.classes, self.train_transform
-            )
+            self._val_crops = dataset_view(self.val_dataset, self.train_transform)
         return self._loader(self._val_crops, self.hparams.batch_size, train=False, persistent_workers=False)
 
     def knn_datasets(self) -> tuple[ImageDataset, ImageDataset] | None:
@@ -391,6 +429,10 @@ class DINODataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return None
+        if self._knn is None and isinstance(self.train_dataset, ShardTrainSet):
+            hp = self.hparams
+            bank = knn_bank(self.train_dataset, self.eval_transform, hp.knn_bank_limit, hp.split_seed)
+            self._knn = (bank, dataset_view(self.val_dataset, self.eval_transform))
         if self._knn is None:
             bank_samples = self.train_dataset.samples
             limit = self.hparams.knn_bank_limit
@@ -401,7 +443,7 @@ class DINODataModule(L.LightningDataModule):
             classes = self.train_dataset.classes
             self._knn = (
                 ImageDataset(bank_samples, classes, self.eval_transform),
-                ImageDataset(self.val_dataset.samples, classes, self.eval_transform),
+                dataset_view(self.val_dataset, self.eval_transform),
             )
         return self._knn
 

@@ -106,10 +106,16 @@ class CropReader:
         g = self.geometry
         return [g.global_crops_size] * 2 + [g.local_crops_size] * g.local_crops_number
 
-    def read(self, path: str | Path) -> CropItem:
-        with open(path, "rb") as file:  # into a writable buffer: torch.frombuffer shares it without a copy
-            raw = bytearray(os.fstat(file.fileno()).st_size)
-            file.readinto(raw)
+    def read(self, path: str | Path | bytes) -> CropItem:
+        """Read a file, or take a shard record's encoded bytes (``ssl_xcit.data.streaming``)."""
+        if isinstance(path, (bytes, bytearray, memoryview)):
+            raw = bytearray(path)  # writable, as torch.frombuffer wants
+        else:
+            with open(
+                path, "rb"
+            ) as file:  # into a writable buffer: torch.frombuffer shares it without a copy
+                raw = bytearray(os.fstat(file.fileno()).st_size)
+                file.readinto(raw)
         with Image.open(io.BytesIO(raw)) as image:
             orientation = image.getexif().get(0x0112, 1)
             width, height = image.size

@@ -12,13 +12,15 @@ Every run records, per optimiser step, the epoch and the dataset indices of its 
 
 Options (``KEY=VALUE``): ``workers`` (0), ``augment`` (``cpu``), ``every`` (3), ``crash`` (7), ``epochs`` (1),
 ``batch`` (4 per process), ``accumulate`` (1), ``old`` (1: the checkpoint loses its loader position, as one
-written before the resumable loader; one process only).
+written before the resumable loader; one process only), ``images`` (64), ``shards`` (1: train on the images
+prepared as LitData shards, 8 records a chunk; the indices are then record indices).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -37,6 +39,8 @@ OPTIONS = {
     "batch": 4,
     "accumulate": 1,
     "old": "0",
+    "images": IMAGES,
+    "shards": "0",
 }
 
 
@@ -73,6 +77,26 @@ class Record(L.Callback):
         self.seen.append((trainer.global_step, trainer.current_epoch, batch[2].tolist()))
         if self.crash_at is not None and trainer.global_step >= self.crash_at:
             raise Crash(f"killed after step {trainer.global_step}")
+
+
+def make_shards(images: Path, out: Path) -> Path:
+    """The images as a prepared dataset (record ``i`` is ``sorted(images)[i]``), written once, meta last."""
+    from litdata import optimize
+
+    from ssl_xcit.data.shards import FORMAT_VERSION, META_FILE
+
+    if not (out / META_FILE).exists():
+        paths = sorted(str(p) for p in images.glob("*.png"))
+        optimize(
+            fn=_record, inputs=paths, output_dir=str(out), chunk_size=8, num_workers=1, verbose=False,
+            keep_data_ordered=True, reorder_files=False, start_method="fork",
+        )  # fmt: skip
+        (out / META_FILE).write_text(f'{{"format": {FORMAT_VERSION}, "classes": null}}')
+    return out
+
+
+def _record(path: str) -> dict:
+    return {"image": Path(path).read_bytes(), "label": -1, "path": Path(path).name}
 
 
 def _datamodule(root: Path, opts: dict):
@@ -134,7 +158,8 @@ def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_
     )
     model = _model(opts)
     try:
-        trainer.fit(model, datamodule=_datamodule(out / "images", opts), ckpt_path=ckpt_path)
+        data = out / ("shards" if opts["shards"] == "1" else "images")
+        trainer.fit(model, datamodule=_datamodule(data, opts), ckpt_path=ckpt_path)
     except Crash:
         pass
     return {
@@ -151,11 +176,15 @@ def run(out_dir: str | Path, world_size: int, opts: dict) -> dict:
     out = Path(out_dir)
     opts = {**OPTIONS, **opts}
     rank = int(os.environ.get("RANK", 0))
+    images = int(opts["images"])
+    ready = out / "ready"
     if rank == 0:
-        make_images(out / "images")
-    if world_size > 1:  # the other rank waits for the images (the process group does not exist yet)
-        while len(list((out / "images").glob("*.png"))) < IMAGES:
-            pass
+        make_images(out / "images", images)
+        if opts["shards"] == "1":
+            make_shards(out / "images", out / "shards")
+        ready.touch()
+    while not ready.exists():  # the other rank waits for the data (the process group does not exist yet)
+        time.sleep(0.05)
     full = _fit(out, "full", world_size, opts)
     crashed = _fit(out, "crashed", world_size, opts, crash_at=int(opts["crash"]))
     checkpoint = torch.load(out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")

@@ -146,3 +146,55 @@ def test_two_processes_resume_mid_epoch_exactly(tmp_path):
     for net in ("student", "teacher"):  # DDP kept the ranks identical after the resume
         for key, value in ranks[0]["resumed"][net].items():
             assert torch.equal(ranks[1]["resumed"][net][key], value)
+
+
+# ---------------------------------------------------------------------------------------- LitData shards
+def test_shards_resume_mid_epoch_exactly(tmp_path):
+    """Shards (8 records a chunk): LitData's loader state in the checkpoint finishes the epoch on the records
+    not yet seen, in the uninterrupted run's order, every record once."""
+    result = _single(tmp_path, every=3, crash=7, shards=1)
+    _check_crash_point(result, 6)
+    _assert_exactly_once([result], epochs=1)
+    assert result["loader_state"][0]["dataset"]["num_samples_yielded"] == 24  # 6 batches of 4, in the file
+    _assert_same_weights(result)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_shards_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch(tmp_path, workers):
+    """Lightning does not restore the loader from an epoch-end checkpoint: the resumed epoch 1 must still be
+    epoch 1's order (the trainer's epoch), not LitData's count of iterators (which restarts at epoch 0's),
+    also in persistent workers, which keep their own copy of the epoch."""
+    result = _single(tmp_path, epochs=2, every=4, crash=17, shards=1, workers=workers)
+    _check_crash_point(result, 16)
+    _assert_exactly_once([result], epochs=2)
+    if workers == 0:
+        _assert_same_weights(result)
+
+
+def test_shards_resume_with_workers_and_device_crops_sees_every_record_once(tmp_path):
+    result = _single(tmp_path, epochs=2, every=9, crash=20, workers=2, shards=1, augment="device")
+    _check_crash_point(result, 18)
+    _assert_exactly_once([result], epochs=2)
+
+
+@pytest.mark.slow  # about 35 s on 2 shared cores
+@pytest.mark.distributed
+def test_two_processes_on_shards_split_the_epoch_and_resume_mid_epoch_exactly(tmp_path):
+    """70 records, 4 a batch, 2 ranks. LitData's drop_last keeps floor(floor(70 / 4) / 2) = 8 full batches a
+    rank: 2 x 8 x 4 = 64 records an epoch, and drops the other 6 (the end of the epoch's shuffled order).
+    The ranks' shares are disjoint, their union is those 64; the run killed after step 11 (epoch 1) and
+    resumed from step 9 sees exactly the rest of epoch 1, in the uninterrupted run's order."""
+    torchrun(
+        WORKER, str(tmp_path), "2", "epochs=2", "every=3", "crash=11", "images=70", "shards=1", timeout=240
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in ranks:
+        _check_crash_point(r, 9)
+    _assert_exactly_once(ranks, epochs=2, images=64)
+    for epoch in range(2):
+        shares = [{i for _, e, ids in r["full"]["seen"] if e == epoch for i in ids} for r in ranks]
+        assert len(shares[0]) == len(shares[1]) == 32 and not shares[0] & shares[1]
+        assert (shares[0] | shares[1]) <= set(range(70))
+    dropped = [set(range(70)) - {i for r in ranks for _, e, ids in r["full"]["seen"] if e == epoch for i in ids}
+               for epoch in range(2)]  # fmt: skip
+    assert [len(d) for d in dropped] == [6, 6] and dropped[0] != dropped[1]  # reshuffled each epoch
