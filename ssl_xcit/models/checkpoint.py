@@ -245,12 +245,28 @@ def load_pretrained(
     return report
 
 
+# A variant's parameter shapes depend only on its class and constructor arguments. Meta-building every variant of
+# a family again for each checkpoint took seconds (CrossFormer++'s and BiXT's initialisers run on meta tensors
+# too), so they are built once per process; the key holds class and arguments, so a variant registered later
+# under the same name with other arguments is built anew.
+_VARIANT_SHAPES: dict[tuple[type, str, str], dict[str, tuple[int, ...]]] = {}
+
+
+def _variant_shapes(name: str) -> dict[str, tuple[int, ...]]:
+    """Parameter and buffer shapes of a registered variant, built on the meta device once per process."""
+    entry = registry.resolve(name)
+    key = (entry.cls, entry.name, repr(sorted(entry.kwargs.items())))
+    if key not in _VARIANT_SHAPES:
+        own = create_model(name, device="meta").state_dict()
+        _VARIANT_SHAPES[key] = {k: tuple(v.shape) for k, v in own.items()}
+    return _VARIANT_SHAPES[key]
+
+
 def _shape_match(family: str, state: Mapping[str, Tensor]) -> tuple[str, dict] | None:
     """The first variant of ``family`` whose state dict has exactly these keys and shapes (meta-built)."""
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     for name in registry.list_models(family):
-        own = create_model(name, device="meta").state_dict()
-        if {k: tuple(v.shape) for k, v in own.items()} == shapes:
+        if _variant_shapes(name) == shapes:
             return name, {}
     return None
 
@@ -286,7 +302,7 @@ def infer_family(state_dict: Mapping[str, Tensor]) -> str | None:
         names = registry.list_models(family)
         if not names:
             continue
-        ref = _key_pattern(create_model(names[0], device="meta").state_dict())
+        ref = _key_pattern(_variant_shapes(names[0]))
         overlap = len(keys & ref) / max(len(keys | ref), 1)
         if overlap >= score:
             best, score = family, overlap

@@ -75,6 +75,10 @@ def test_python_dash_m_exits_zero():
     assert "embedding              [1, 128]" in out.stdout
 
 
+# Both scripts are one declared entry point; each run starts an interpreter that imports Lightning (~6 s). By
+# default test_lightning_console_script_dispatches_to_our_cli runs that entry point on the same recipe, and
+# test_no_installed_distribution_takes_the_lightning_script_from_us checks who owns the installed script.
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["lightning", "ssl-xcit"])
 def test_console_scripts_parse_a_recipe_exactly_as_typed(script):
     import shutil

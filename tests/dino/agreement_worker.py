@@ -1,4 +1,4 @@
-"""Ranks that must decide together: ``python agreement_worker.py OUT_DIR WORLD_SIZE SCENARIO``.
+"""Ranks that must decide together: ``python agreement_worker.py OUT_DIR WORLD_SIZE SCENARIO[,SCENARIO...]``.
 
 Run under ``torchrun --nproc_per_node 2`` (gloo, CPU). Each scenario makes the ranks differ in one way that
 used to leave one rank waiting in a collective the other never entered, and saves what each rank saw to
@@ -190,4 +190,7 @@ def run(out_dir: str | Path, world_size: int, scenario: str) -> dict:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    # SCENARIO may list several, comma-separated: they run one after another in the same 2 processes, since
+    # starting torchrun and importing torch and Lightning in both ranks costs more than a scenario.
+    for scenario in sys.argv[3].split(","):
+        run(sys.argv[1], int(sys.argv[2]), scenario)

@@ -1,4 +1,5 @@
-"""A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE [empty|ibot]``.
+"""A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE [MODE[,MODE...]]``
+(modes: plain, the default; empty; ibot).
 
 Run under ``torchrun --nproc_per_node 2`` it is a real 2-process Lightning DDP run on CPU (gloo); with
 WORLD_SIZE 1 it is the single-process reference on the same global batch (8 images per step).
@@ -127,6 +128,12 @@ def run(
     return result
 
 
+MODES = {"plain": {}, "empty": {"empty_first_batch_on_rank1": True}, "ibot": {"ibot": True}}
+
 if __name__ == "__main__":
-    mode = sys.argv[3:]
-    run(sys.argv[1], int(sys.argv[2]), empty_first_batch_on_rank1=mode == ["empty"], ibot=mode == ["ibot"])
+    # MODES may list several, comma-separated, each written to OUT_DIR/<mode>: they run one after another in
+    # the same processes, since starting torchrun and importing torch and Lightning costs more than a run.
+    for mode in sys.argv[3].split(",") if len(sys.argv) > 3 else ["plain"]:
+        out = Path(sys.argv[1]) / mode
+        out.mkdir(parents=True, exist_ok=True)
+        run(out, int(sys.argv[2]), **MODES[mode])

@@ -4,39 +4,33 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import torchrun
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> Path:
+    """The three 2-process runs below, one after another in one launch (each in its own folder): starting
+    torchrun and importing torch and Lightning in both ranks took most of each test's ~17 s. A rank left
+    waiting in a collective ends in ``TimeoutExpired``, with the launcher and both workers killed."""
+    out = tmp_path_factory.mktemp("ddp")
+    torchrun(WORKER, str(out), "2", "plain,empty,ibot", timeout=240)
+    return out
 
 
-def _torchrun(tmp_path, *extra: str, timeout: int = 300) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-        f"--master_port={_free_port()}", str(WORKER), str(tmp_path), "2", *extra,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _ranks(out: Path, mode: str) -> list[dict]:
+    return [torch.load(out / mode / f"rank{r}_of2.pt", weights_only=True) for r in range(2)]
 
 
 @pytest.mark.distributed
-def test_ddp_rank_with_unreadable_batch_does_not_hang(tmp_path):
+def test_ddp_rank_with_unreadable_batch_does_not_hang(ddp_runs):
     """Rank 1's first batch is all unreadable: both ranks skip that step together, then train in step."""
-    _torchrun(tmp_path, "empty", timeout=180)  # a hang would end in TimeoutExpired
-    ranks = [torch.load(tmp_path / f"rank{r}_of2.pt", weights_only=True) for r in range(2)]
+    ranks = _ranks(ddp_runs, "empty")  # a hang would have ended in TimeoutExpired
     assert [r["global_step"] for r in ranks] == [1, 1]
     assert [r["skipped_batches"] for r in ranks] == [1, 1]
     for key, value in ranks[0]["student"].items():
@@ -44,11 +38,10 @@ def test_ddp_rank_with_unreadable_batch_does_not_hang(tmp_path):
 
 
 @pytest.mark.distributed
-def test_ddp_with_ibot_trains_in_step_on_both_ranks(tmp_path):
+def test_ddp_with_ibot_trains_in_step_on_both_ranks(ddp_runs):
     """iBOT's patch term under DDP: each rank masks its own crops, Sinkhorn-Knopp all-reduces over the masked
     patches of both; the ranks finish together with identical weights, the mask token trained."""
-    _torchrun(tmp_path, "ibot", timeout=180)
-    ranks = [torch.load(tmp_path / f"rank{r}_of2.pt", weights_only=True) for r in range(2)]
+    ranks = _ranks(ddp_runs, "ibot")
     assert [r["global_step"] for r in ranks] == [2, 2]
     assert all(math.isfinite(loss) for r in ranks for loss in r["losses"])
     for key, value in ranks[0]["student"].items():
@@ -57,16 +50,14 @@ def test_ddp_with_ibot_trains_in_step_on_both_ranks(tmp_path):
 
 
 @pytest.mark.distributed
-def test_ddp_center_loss_and_weights_match_single_process(tmp_path):
-    _torchrun(tmp_path)
-
+def test_ddp_center_loss_and_weights_match_single_process(tmp_path, ddp_runs):
     spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
     single = worker.run(tmp_path, 1)
     initial = worker.initial_student()
 
-    ranks = [torch.load(tmp_path / f"rank{r}_of2.pt", weights_only=True) for r in range(2)]
+    ranks = _ranks(ddp_runs, "plain")
     assert all(r["world_size"] == 2 for r in ranks)
     assert "AllReduceBatchNorm" in ranks[0]["bn_types"]  # XCiT's BatchNorms were synchronised
     # The centre is all-reduced: identical on both ranks and equal to the single-process centre.

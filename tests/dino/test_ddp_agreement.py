@@ -16,9 +16,16 @@ from conftest import torchrun
 WORKER = Path(__file__).with_name("agreement_worker.py")
 
 
-def _ranks(tmp_path: Path, scenario: str) -> list[dict]:
-    torchrun(WORKER, str(tmp_path), "2", scenario)
-    return [torch.load(tmp_path / f"{scenario}_rank{r}_of2.pt", weights_only=False) for r in range(2)]
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """What each rank saw, per scenario. The four scenarios run one after another in one 2-process launch:
+    starting torchrun and importing torch and Lightning in both ranks took most of each test's ~18 s."""
+    out = tmp_path_factory.mktemp("agreement")
+    scenarios = ("collapse", "validation", "koleo", "knn")
+    torchrun(WORKER, str(out), "2", ",".join(scenarios), timeout=240)
+    return {
+        s: [torch.load(out / f"{s}_rank{r}_of2.pt", weights_only=False) for r in range(2)] for s in scenarios
+    }
 
 
 def _single(tmp_path: Path, scenario: str) -> dict:
@@ -36,8 +43,8 @@ def _single(tmp_path: Path, scenario: str) -> dict:
 
 
 @pytest.mark.distributed
-def test_collapse_on_rank_1_stops_both_ranks_on_the_same_step_and_is_reported(tmp_path):
-    ranks = _ranks(tmp_path, "collapse")
+def test_collapse_on_rank_1_stops_both_ranks_on_the_same_step_and_is_reported(two_ranks):
+    ranks = two_ranks["collapse"]
     assert [r["global_step"] for r in ranks] == [2, 2]  # patience 2: both stop after step 2
     for r in ranks:
         assert [(e["mode"], e["step"], e["ranks"]) for e in r["events"]] == [("uniform", 2, [1])]
@@ -50,8 +57,8 @@ def test_collapse_on_rank_1_stops_both_ranks_on_the_same_step_and_is_reported(tm
 
 
 @pytest.mark.distributed
-def test_validation_batch_unreadable_on_one_rank_is_skipped_by_both(tmp_path):
-    ranks = _ranks(tmp_path, "validation")
+def test_validation_batch_unreadable_on_one_rank_is_skipped_by_both(tmp_path, two_ranks):
+    ranks = two_ranks["validation"]
     single = _single(tmp_path, "validation")
     assert ranks[0]["val_loss"] == ranks[1]["val_loss"]  # synced
     # Both skipped batch 0; batch 1 is the global batch 8..15, whose Sinkhorn-Knopp loss one process gives.
@@ -59,8 +66,8 @@ def test_validation_batch_unreadable_on_one_rank_is_skipped_by_both(tmp_path):
 
 
 @pytest.mark.distributed
-def test_koleo_with_one_image_on_a_rank_does_not_stop_the_run(tmp_path):
-    ranks = _ranks(tmp_path, "koleo")
+def test_koleo_with_one_image_on_a_rank_does_not_stop_the_run(two_ranks):
+    ranks = two_ranks["koleo"]
     assert [r["global_step"] for r in ranks] == [2, 2]
     assert ranks[1]["koleo"][0] == 0.0  # one image, no neighbour: no KoLeo term
     assert ranks[0]["koleo"][0] != 0.0 and all(k != 0.0 for r in ranks for k in r["koleo"][1:])
@@ -69,8 +76,8 @@ def test_koleo_with_one_image_on_a_rank_does_not_stop_the_run(tmp_path):
 
 
 @pytest.mark.distributed
-def test_online_knn_splits_the_work_and_matches_one_process(tmp_path):
-    ranks = _ranks(tmp_path, "knn")
+def test_online_knn_splits_the_work_and_matches_one_process(tmp_path, two_ranks):
+    ranks = two_ranks["knn"]
     single = _single(tmp_path, "knn")
     assert len(single["history"]) == 2  # before training and after the epoch
     for r in ranks:

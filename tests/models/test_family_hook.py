@@ -49,3 +49,16 @@ def test_listed_family_is_registered_and_missing_one_skipped(toy_family):
         registry.create_model("toy_huge")
     with pytest.raises(TypeError, match="'widht'.*takes width, num_classes"):
         registry.create_model("toy_small", widht=4)
+
+
+def test_shape_inference_follows_a_variant_whose_arguments_change(toy_family, monkeypatch):
+    """Variant shapes are built once per process (ssl_xcit.models.checkpoint); a variant re-registered under the
+    same name with other arguments is matched on its new shapes, not on the remembered ones."""
+    from ssl_xcit.models import infer_model_name
+
+    module = sys.modules["ssl_xcit.models.toyfam"]
+    state = registry.create_model("toy_big").state_dict()
+    assert infer_model_name(state) == "toy_big"
+    monkeypatch.setitem(module.VARIANTS, "toy_big", {"width": 32})
+    assert infer_model_name(state) is None
+    assert infer_model_name(registry.create_model("toy_big").state_dict()) == "toy_big"
