@@ -89,7 +89,7 @@ def shards_of(folder: Path, workers: int, reuse: bool) -> tuple[Path, float | No
     if reuse and (out / META_FILE).exists():
         return out, None
     start = time.perf_counter()
-    prepare_shards(folder, str(out), workers=workers, overwrite=True, progress=False)
+    prepare_shards(folder, str(out), workers=workers, overwrite=True, progress=False, print_summary=False)
     return out, time.perf_counter() - start
 
 
