@@ -363,31 +363,33 @@ class DINODataModule(L.LightningDataModule):
         persistent = self.hparams.persistent_workers if persistent_workers is None else persistent_workers
         shards = isinstance(dataset, ShardTrainSet)
         device_crops = isinstance(dataset.item_transform if shards else dataset.transform, CropReader)
+        common = dict(
+            num_workers=workers,
+            pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
+            persistent_workers=persistent,
+        )
+        collate = collate_crops if device_crops else collate_train
+        trainer = self.trainer
         if train and shards:  # LitData's loader, checkpointed by Lightning too (ssl_xcit.data.streaming)
-            trainer = self.trainer
             return shard_train_loader(
                 dataset,
                 batch_size,
-                collate_crops if device_crops else collate_train,
-                num_workers=workers,
-                pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
-                persistent_workers=persistent,
+                collate,
                 rank=trainer.global_rank if trainer is not None else 0,
                 seed=run_seed(),
                 epoch=(lambda: trainer.fit_loop.epoch_progress.current.processed)
                 if trainer is not None
                 else None,
+                **common,
             )
         if train:  # checkpointed by Lightning and resumed mid-epoch exactly (ssl_xcit.data.resumable)
             return resumable_loader(
                 dataset,
                 batch_size,
-                collate_crops if device_crops else collate_train,
-                num_workers=workers,
-                pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
-                persistent_workers=persistent,
-                world_size=self.trainer.world_size if self.trainer is not None else 1,
-                rank=self.trainer.global_rank if self.trainer is not None else 0,
+                collate,
+                world_size=trainer.world_size if trainer is not None else 1,
+                rank=trainer.global_rank if trainer is not None else 0,
+                **common,
             )
         return DataLoader(
             dataset,
