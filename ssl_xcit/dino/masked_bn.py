@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ssl_xcit.errors import UserError
+
 
 def weighted_batch_norm(bn: nn.BatchNorm2d, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``bn`` in training mode on ``x`` (B, C, H, W), its statistics from the crops of weight 1 in ``weights``
@@ -49,6 +51,13 @@ def weighted_batch_norm(bn: nn.BatchNorm2d, x: torch.Tensor, weights: torch.Tens
 def statistics_from_unmasked(module: nn.Module, mask: torch.Tensor) -> Iterator[None]:
     """Within the block, every BatchNorm2d of ``module`` in training mode that sees a batch of ``mask``'s size
     takes its statistics from the crops without masked patches (``mask`` (B, N) bool)."""
+    if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+        # Statistics of a subset of crops would need their own all-reduce; this diagnosis option is not worth it
+        # (docs/ibot.md: it changed nothing measurable), so it refuses rather than silently doing nothing.
+        raise UserError(
+            "ibot_bn_stats: unmasked works on one process (no SyncBatchNorm); use ibot_bn_stats: all with "
+            "several processes or sync_batchnorm"
+        )
     weights = (~mask.any(dim=1)).float()
     norms = [m for m in module.modules() if isinstance(m, nn.BatchNorm2d)]
 

@@ -73,6 +73,13 @@ def test_xcit_stem_statistics_come_from_the_unmasked_crops():
     torch.testing.assert_close(out[1], expected[1], rtol=1e-5, atol=1e-5)
 
 
+def test_unmasked_statistics_refuse_sync_batchnorm():
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(create_model("xcit_nano_12_p8", depth=1))
+    with pytest.raises(UserError, match="ibot_bn_stats: unmasked works on one process"):
+        with statistics_from_unmasked(model, torch.zeros(2, 16, dtype=torch.bool)):
+            pass
+
+
 def test_linear_warmup_of_the_patch_weight():
     np.testing.assert_allclose(linear_warmup(2.0, 0.5, 2, 4), [0, 1, 2, 2, 2, 2, 2, 2])
     np.testing.assert_allclose(linear_warmup(1.0, 0, 1, 3), [1, 1, 1])
