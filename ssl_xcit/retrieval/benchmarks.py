@@ -18,6 +18,22 @@ from ssl_xcit.retrieval.ground_truth import (
 )
 
 
+def _benchmark_files(root: Path, what: str) -> list:
+    """The image files of a benchmark folder, or the records of a prepared dataset of it (``ssl-xcit prepare``;
+    record names are the files' names, so the same ground truth follows from them), sorted by name."""
+    from ssl_xcit.data.shards import is_shard_root
+
+    if is_shard_root(root):
+        from ssl_xcit.data.shard_dataset import ShardImageDataset
+        from ssl_xcit.retrieval.images import RecordRef
+
+        dataset = ShardImageDataset(root, labelled=False)
+        items = [RecordRef(dataset, i) for i in range(len(dataset))]
+    else:
+        items = list(_image_folder(root, what).iterdir())
+    return sorted(items, key=lambda p: p.name)
+
+
 def _image_folder(root: Path, what: str) -> Path:
     if not root.is_dir():
         raise FileNotFoundError(f"{what} image folder not found: {root}")
@@ -55,8 +71,8 @@ def load_holidays(root: str | Path, rotations: str | Path | None = None) -> Retr
     positives are the other images of its group (Jegou et al.'s ``holidays_map.py``). EXIF orientation is
     honoured; ``rotations`` (see :func:`load_rotations`) gives the upright "rotated Holidays" variant.
     """
-    folder = _image_folder(Path(root), "Holidays")
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".jpg", ".jpeg"))
+    folder = Path(root)
+    files = [p for p in _benchmark_files(folder, "Holidays") if p.suffix.lower() in (".jpg", ".jpeg")]
     bad = [p.name for p in files if not p.stem.isdigit()]
     if bad:
         raise UserError(f"Holidays file names must be image numbers like 100000.jpg; got {bad[:_MAX_LISTED]}")
@@ -95,8 +111,10 @@ def load_holidays(root: str | Path, rotations: str | Path | None = None) -> Retr
 
 def load_ukbench(root: str | Path) -> RetrievalDataset:
     """UKBench: ``ukbenchNNNNN.jpg``, groups of 4 consecutive numbers; every image queries all images."""
-    folder = _image_folder(Path(root), "UKBench")
-    files = sorted(p for p in folder.iterdir() if re.fullmatch(r"ukbench\d+\.jpg", p.name, flags=re.I))
+    folder = Path(root)
+    files = [
+        p for p in _benchmark_files(folder, "UKBench") if re.fullmatch(r"ukbench\d+\.jpg", p.name, flags=re.I)
+    ]
     if not files:
         raise FileNotFoundError(f"no UKBench images (ukbenchNNNNN.jpg) in {folder}")
     groups = np.array([int(p.stem[7:]) // 4 for p in files])

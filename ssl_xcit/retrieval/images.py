@@ -46,6 +46,14 @@ class RecordRef:
     def stem(self) -> str:
         return self.dataset.samples[self.index][0].stem
 
+    @property
+    def name(self) -> str:
+        return self.dataset.samples[self.index][0].name
+
+    @property
+    def suffix(self) -> str:
+        return self.dataset.samples[self.index][0].suffix
+
     def open(self) -> io.BytesIO:
         return io.BytesIO(self.dataset.read_record(self.index)["image"])
 

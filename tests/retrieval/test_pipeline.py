@@ -353,3 +353,16 @@ def test_train_images_from_a_prepared_dataset_give_the_same_codebook(setup, tmp_
     assert len(set(setup["cache"].glob("retrieval-local-train-*.pt")) - before) == 1  # its own cache entry
     assert shards["n_train_images"] == files["n_train_images"] == 8
     assert shards["metrics"]["aps"] == files["metrics"]["aps"] and shards["top_ranks"] == files["top_ranks"]
+
+
+@pytest.mark.parametrize(("dataset", "method"), [("ukbench", "cls"), ("holidays", "vlad")])
+def test_a_prepared_benchmark_database_ranks_as_its_folder(setup, tmp_path, dataset, method):
+    from ssl_xcit.data.shards import prepare_shards
+
+    shards = tmp_path / f"{dataset}_shards"
+    prepare_shards(setup["mini"] / dataset, shards, progress=False, print_summary=False)
+    folder, _ = run_cli(setup, method, dataset, setup["mini"] / dataset)
+    prepared, _ = run_cli(setup, method, dataset, shards)
+    assert prepared["n_database"] == folder["n_database"] and prepared["n_queries"] == folder["n_queries"]
+    assert prepared["metrics"]["aps"] == folder["metrics"]["aps"]
+    assert prepared["top_ranks"] == folder["top_ranks"]
