@@ -144,6 +144,14 @@ def create_model(name: str, **overrides) -> Backbone:
     """
     entry = resolve(name)
     device = overrides.pop("device", None)
+    # YAML reads `{depth:4}` (no space after the colon) as the key "depth:4" with no value, and timm drops
+    # arguments whose value is None: the setting would vanish without a word.
+    bad = sorted(k for k in overrides if not str(k).isidentifier())
+    if bad:
+        raise UserError(
+            f"backbone argument names {bad} are not names; in YAML write a space after each colon, "
+            "e.g. {depth: 4, patch_size: 8}"
+        )
     params = inspect.signature(entry.cls).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = sorted(set(overrides) - set(params))
