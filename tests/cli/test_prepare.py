@@ -119,3 +119,22 @@ def test_prepare_errors_are_one_line(tmp_path: Path, capsys) -> None:
             ["knn", "--arch", ARCH, "--train", str(tmp_path / "out"), "--val", str(tmp_path / "out")]
         )
     assert "has no ssl_xcit_shards.json: an interrupted" in capsys.readouterr().err
+
+
+def test_linear_probe_on_shards_equals_the_folder(flowers_small, tmp_path: Path) -> None:
+    train, val = flowers_small
+    for name, root in (("train", train), ("val", val)):
+        main(["prepare", str(root), str(tmp_path / name), "--no-progress"])
+
+    def probe(train_root: Path, val_root: Path, tag: str) -> dict:
+        return main([
+            "linear", "--train", str(train_root), "--val", str(val_root), "--arch", ARCH, "--resize-size",
+            str(RESIZE), "--crop-size", str(CROP), "--batch-size", "16", "--num-workers", "0", "--accelerator",
+            "cpu", "--devices", "1", "--cache-dir", str(tmp_path / f"cache_{tag}"), "--no-progress", "--fast",
+            "--epochs", "2", "--lrs", "0.01", "--default-root-dir", str(tmp_path / f"lin_{tag}"),
+        ])  # fmt: skip
+
+    folders = probe(train, val, "folders")
+    shards = probe(tmp_path / "train", tmp_path / "val", "shards")
+    assert shards["best"] == folders["best"]
+    assert (shards["num_train"], shards["num_val"]) == (folders["num_train"], folders["num_val"]) == (30, 10)
