@@ -9,6 +9,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from test_ibot import HEAD, Crops  # tests/dino is on sys.path: pytest prepends a test file's folder
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -17,7 +18,6 @@ from ssl_xcit.dino.module import DINO
 from ssl_xcit.dino.schedules import dino_schedules, linear_warmup
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
-from tests.dino.test_ibot import HEAD, Crops
 
 
 def test_weighted_batch_norm_equals_batch_norm_on_the_kept_crops():
