@@ -51,17 +51,21 @@ class _Trainer:  # what the collapse guard reads of a trainer
     world_size, global_step = 1, 500
 
 
-def one_step(backbone: str, dtype: torch.dtype, centering: str, ibot: bool, koleo: bool) -> torch.Tensor:
+def one_step(
+    backbone: str, dtype: torch.dtype, centering: str, ibot: bool, koleo: bool, ibot_bn_stats: str = "all"
+) -> torch.Tensor:
     default = torch.get_default_dtype()
     # Parameters made in `dtype`, as bf16-true's init context does (a fake module cannot be cast afterwards).
     torch.set_default_dtype(dtype)
     try:
-        return _one_step(backbone, dtype, centering, ibot, koleo)
+        return _one_step(backbone, dtype, centering, ibot, koleo, ibot_bn_stats)
     finally:
         torch.set_default_dtype(default)
 
 
-def _one_step(backbone: str, dtype: torch.dtype, centering: str, ibot: bool, koleo: bool) -> torch.Tensor:
+def _one_step(
+    backbone: str, dtype: torch.dtype, centering: str, ibot: bool, koleo: bool, ibot_bn_stats: str
+) -> torch.Tensor:
     with FakeTensorMode(), torch.device("cuda"):
         model = DINO(
             backbone,
@@ -71,6 +75,7 @@ def _one_step(backbone: str, dtype: torch.dtype, centering: str, ibot: bool, kol
             head_bottleneck_dim=16,
             centering=centering,
             ibot_loss_weight=1.0 if ibot else 0.0,
+            ibot_bn_stats=ibot_bn_stats,
             koleo_weight=0.1 if koleo else 0.0,
             freeze_last_layer=1,
         )
@@ -141,6 +146,15 @@ def test_training_step_has_no_device_mismatch_and_no_host_sync(
         lambda rate, depth: np.linspace(0, rate, depth).tolist(),
     )
     total = one_step(backbone, dtype, centering, ibot, koleo)
+    assert total.shape == () and total.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_unmasked_batchnorm_statistics_stay_on_the_device(dtype, monkeypatch):
+    """``ibot_bn_stats: unmasked`` (XCiT's stem and LPI BatchNorms from the unmasked crops): the crops' weights
+    and counts stay device tensors, so the masked pass still has no host sync."""
+    monkeypatch.setattr(torch.nn.init, "trunc_normal_", timm.layers.trunc_normal_)
+    total = one_step("xcit_nano_12_p8", dtype, "ema", True, False, ibot_bn_stats="unmasked")
     assert total.shape == () and total.dtype == torch.float32
 
 
