@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ssl_xcit.dino.syncbn import AllReduceBatchNorm
 from ssl_xcit.errors import UserError
 
 
@@ -51,9 +52,11 @@ def weighted_batch_norm(bn: nn.BatchNorm2d, x: torch.Tensor, weights: torch.Tens
 def statistics_from_unmasked(module: nn.Module, mask: torch.Tensor) -> Iterator[None]:
     """Within the block, every BatchNorm2d of ``module`` in training mode that sees a batch of ``mask``'s size
     takes its statistics from the crops without masked patches (``mask`` (B, N) bool)."""
-    if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+    if any(isinstance(m, (nn.SyncBatchNorm, AllReduceBatchNorm)) for m in module.modules()):
         # Statistics of a subset of crops would need their own all-reduce; this diagnosis option is not worth it
         # (docs/ibot.md: it changed nothing measurable), so it refuses rather than silently doing nothing.
+        # Both synchronised kinds count: `sync_batchnorm` gives SyncBatchNorm on CUDA, AllReduceBatchNorm on
+        # gloo, and neither is a BatchNorm2d this function would patch.
         raise UserError(
             "ibot_bn_stats: unmasked works on one process (no SyncBatchNorm); use ibot_bn_stats: all with "
             "several processes or sync_batchnorm"

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from ssl_xcit.dino.masked_bn import statistics_from_unmasked, weighted_batch_norm
 from ssl_xcit.dino.module import DINO
 from ssl_xcit.dino.schedules import dino_schedules, linear_warmup
+from ssl_xcit.dino.syncbn import convert_sync_batchnorm
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
 
@@ -73,8 +74,9 @@ def test_xcit_stem_statistics_come_from_the_unmasked_crops():
     torch.testing.assert_close(out[1], expected[1], rtol=1e-5, atol=1e-5)
 
 
-def test_unmasked_statistics_refuse_sync_batchnorm():
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(create_model("xcit_nano_12_p8", depth=1))
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])  # torch's SyncBatchNorm; our gloo AllReduceBatchNorm
+def test_unmasked_statistics_refuse_sync_batchnorm(device_type):
+    model = convert_sync_batchnorm(create_model("xcit_nano_12_p8", depth=1), device_type)
     with pytest.raises(UserError, match="ibot_bn_stats: unmasked works on one process"):
         with statistics_from_unmasked(model, torch.zeros(2, 16, dtype=torch.bool)):
             pass
