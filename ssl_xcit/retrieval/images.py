@@ -43,22 +43,27 @@ class RecordRef:
         self.dataset, self.index = dataset, index
 
     @property
+    def path(self) -> Path:
+        """The record's file path relative to the prepared folder, as ``prepare`` read it."""
+        return self.dataset.samples[self.index][0]
+
+    @property
     def stem(self) -> str:
-        return self.dataset.samples[self.index][0].stem
+        return self.path.stem
 
     @property
     def name(self) -> str:
-        return self.dataset.samples[self.index][0].name
+        return self.path.name
 
     @property
     def suffix(self) -> str:
-        return self.dataset.samples[self.index][0].suffix
+        return self.path.suffix
 
     def open(self) -> io.BytesIO:
         return io.BytesIO(self.dataset.read_record(self.index)["image"])
 
     def __str__(self) -> str:
-        return f"{self.dataset.root}/{self.dataset.samples[self.index][0].as_posix()}"
+        return f"{self.dataset.root}/{self.path.as_posix()}"
 
     def key(self) -> list[Any]:
         """What identifies its bytes: the preparation's id (new on every ``prepare``) and the record."""
