@@ -45,7 +45,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
 
 from ssl_xcit.data.crops import _TRANSPOSED_ORIENTATIONS, Crop, MultiCropGeometry
-from ssl_xcit.data.datasets import EmptyBatch
+from ssl_xcit.data.image_dataset import EmptyBatch
 from ssl_xcit.errors import UserError
 
 DECODE_ON = ("worker", "device")

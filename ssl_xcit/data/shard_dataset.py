@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ssl_xcit.data.datasets import ImageDataset
+from ssl_xcit.data.image_dataset import ImageDataset
 from ssl_xcit.data.shards import decode_image, is_url, read_meta
 from ssl_xcit.errors import UserError
 

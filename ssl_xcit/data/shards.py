@@ -165,13 +165,13 @@ class _RecordWriter:
 
 def _listing(src: Path) -> tuple[list[tuple[str, int, str]], list[str] | None]:
     """(absolute path, label, relative path) of every image of ``src`` in the readers' order, and the classes."""
-    from ssl_xcit.data.datasets import build_dataset
+    from ssl_xcit.data.folders import folder_dataset
 
     if is_shard_root(src):
         raise UserError(
             f"{src} is already a prepared dataset; give the image folder or list file it came from"
         )
-    dataset = build_dataset(src)
+    dataset = folder_dataset(src)
     base = src if src.is_dir() else src.parent
     files = [(str(p), y, Path(os.path.relpath(p, base)).as_posix()) for p, y in dataset.samples]
     return files, dataset.classes
@@ -215,7 +215,7 @@ def prepare_shards(
 ) -> dict[str, Any]:
     """Write the images of ``src`` (an ImageFolder tree, a folder or a list file) as LitData shards in ``out``.
 
-    Records keep the listing order of :func:`~ssl_xcit.data.datasets.build_dataset` (LitData's workers each
+    Records keep the listing order of :func:`~ssl_xcit.data.folders.folder_dataset` (LitData's workers each
     take a contiguous slice in order), so record ``i`` of ``out`` is the ``i``-th readable image of ``src``.
     A local ``out`` is written into a temporary sibling folder and renamed into place once finished; a URL
     ``out`` is written in place by LitData, and ``ssl_xcit_shards.json`` uploaded last marks it finished.
