@@ -65,7 +65,7 @@ def fetch_file(
     from ssl_xcit.data.storage import provider, storage_errors
 
     remote = f"{str(root).rstrip('/')}/{name}"
-    fs = provider(remote, storage_options)
+    fs = provider(str(root), storage_options)
     with storage_errors(str(root), storage_options):
         if not fs.exists(remote):
             return None
