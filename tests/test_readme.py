@@ -27,7 +27,8 @@ from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 DOCS = README.parent / "docs"
-EXCERPT = "<!-- excerpt -->"  # the line before a ```python fence that is shown, not run
+EXCERPT = "<!-- excerpt -->"
+MINIO = "http://minio.cluster:9000"  # the S3-compatible endpoint of docs/cluster.md  # the line before a ```python fence that is shown, not run
 
 # Tiny DINO: small crops, a small head, one or two steps (the recipe's structure is what is being tested).
 _TRAIN = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
@@ -60,7 +61,7 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/device_augment"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device --data\.decode_on device$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/device_decode"]),
     (r"^ssl-xcit prepare /data/imagenet/(train|val) /data/imagenet(-val)?-shards --workers 32$", ["--workers", "2", "--no-progress"]),
-    (r"^ssl-xcit prepare \S+ s3://", "needs object storage; URLs are read through a stand-in storage client in tests/data"),
+    (r"^ssl-xcit prepare \S+ s3://", ["--workers", "2", "--no-progress"]),  # to the S3 server of tests/conftest.py
     (r"^ssl-xcit fit -c recipes/dino_xcit_s12_16\.yaml --data\.root /data/imagenet-shards .* --ckpt_path last$",
      [*_TRAIN, *_DINO, *_SHALLOW, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/(dino_xcit_\w+|dinov2_xcit_\w+|small_dataset)\.yaml ", [*_TRAIN, *_DINO, *_SHALLOW]),
@@ -242,7 +243,7 @@ def test_an_unknown_command_names_its_page():
         shrink("ssl-xcit nope --x", "docs/new.md")
 
 
-def test_every_page_command_runs(shared_data, tmp_path, monkeypatch):
+def test_every_page_command_runs(shared_data, tmp_path, monkeypatch, s3_env, s3_server):
     # The built-in dataset's wiring with 60 images instead of 2,500 (generation is tested in tests/data).
     monkeypatch.setattr(dm_module, "ensure_synthetic_dataset", lambda: ensure_synthetic_dataset(
         num_train_per_class=4, num_val_per_class=2))  # fmt: skip
@@ -273,7 +274,10 @@ def test_every_page_command_runs(shared_data, tmp_path, monkeypatch):
             i = argv.index("...")
             argv = argv[:i] + previous[argv[0]] + argv[i + 1 :]
         previous[argv[0]] = argv[1:]
-        argv = [_local(paths.get(a, a), shared_data) for a in argv] + extra
+        # docs/cluster.md's MinIO endpoint is the S3 server of tests/conftest.py (s3_env names it for the rest)
+        argv = [
+            _local(paths.get(a, a), shared_data).replace(MINIO, s3_server["endpoint"]) for a in argv
+        ] + extra
         try:
             cli_main(argv)
         except SystemExit as err:  # a parse error ends with SystemExit; 0/None is a clean exit

@@ -35,6 +35,7 @@ from ssl_xcit.data.device_crops import DECODE_ON, CropReader
 from ssl_xcit.data.knn_data import aligned_val, knn_sets
 from ssl_xcit.data.loaders import build_loader, check_full_batches
 from ssl_xcit.data.shards import is_shard_root, is_url
+from ssl_xcit.data.storage import storage_options as parse_storage_options
 from ssl_xcit.data.streaming import dataset_view, open_shards
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transfer import OTHER_STREAM, augment_batch, loop_position
@@ -109,6 +110,9 @@ class DINODataModule(L.LightningDataModule):
             per worker at 640 x 480 (docs/input-pipeline.md), but moves the decode into the training process and decodes
             large photos at full size (8 GB of float per 64 8-MP photos); ``worker`` is the default because it
             has been measured end to end (no GPU decode has been timed yet) and keeps memory bounded.
+        storage_options: For ``s3://`` roots: boto3 client settings such as ``{"endpoint_url":
+            "http://minio:9000"}`` (an S3-compatible store), passed to LitData; default: the environment's
+            (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...). See docs/cluster.md.
     """
 
     def __init__(
@@ -141,9 +145,11 @@ class DINODataModule(L.LightningDataModule):
         knn_bank_limit: int | None = None,
         augment_on: Literal["auto", "cpu", "device"] = "auto",
         decode_on: Literal["worker", "device"] = "worker",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        storage_options = parse_storage_options(storage_options)  # a bad key fails here, in one line
         # Fail at construction (before a Trainer exists) on anything checkable without reading the data.
         for name, path in (("root", root), ("val_root", val_root)):
             if path is not None and not is_url(path) and not Path(path).expanduser().exists():
@@ -281,7 +287,13 @@ class DINODataModule(L.LightningDataModule):
         """``root`` is a prepared dataset: LitData's streaming training set (``ssl_xcit.data.streaming``)."""
         hp = self.hparams
         self.train_dataset, val_set = open_shards(
-            hp.root, hp.val_root, hp.val_fraction, hp.labelled, hp.verify_images, self.train_transform
+            hp.root,
+            hp.val_root,
+            hp.val_fraction,
+            hp.labelled,
+            hp.verify_images,
+            self.train_transform,
+            hp.storage_options,
         )
         classes = self.train_dataset.classes
         self._check_batches(hp.root)
