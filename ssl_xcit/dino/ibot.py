@@ -90,6 +90,7 @@ class MaskedForward(NamedTuple):
     student_embedding: torch.Tensor  # (V*B, C) backbone embeddings of the student's crops
     student_patch_logits: torch.Tensor  # (M, K') at the masked patches
     teacher_patch_logits: torch.Tensor  # (M, K') at the same patches of the unmasked crops
+    student_patch_tokens: torch.Tensor  # (G*B, N, C) final-norm patch tokens of the masked pass (Gram)
 
 
 def masked_forward(
@@ -110,5 +111,10 @@ def masked_forward(
     )
     student_patch_logits = student.patch_logits(patches.select(student_tokens))
     return MaskedForward(
-        teacher_output, student_output, student_embedding, student_patch_logits, teacher_patch_logits
+        teacher_output,
+        student_output,
+        student_embedding,
+        student_patch_logits,
+        teacher_patch_logits,
+        student_tokens,
     )

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from ssl_xcit.data.datasets import EmptyBatch
+from ssl_xcit.dino.gram import build_gram_teacher
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.lifecycle import DINOLifecycle
@@ -119,6 +120,23 @@ class DINO(DINOLifecycle):
             masked patches (``ssl_xcit.dino.masked_bn``; one process only). Measured in docs/ibot.md.
         mask_ratio_min_max: masked fraction of a masked global crop, uniform in this range (DINOv2: 0.1-0.5).
         mask_probability: share of the global crops that are masked (DINOv2: 0.5).
+        gram_loss_weight: weight of DINOv3's Gram anchoring (``ssl_xcit.dino.gram``; 0 = off, the default until it
+            is measured here: docs/ibot.md). It holds the student's patch-to-patch cosine similarities on its
+            global crops to those of a frozen Gram teacher; DINOv3's 7B run used 2.0 late in training, where its
+            dense quality had started to fall. XCiT, ViT and CaiT only.
+        gram_start_step: the optimiser step from which the term counts; the EMA teacher of that step becomes the
+            Gram teacher (DINOv3: 1M of 1.2M iterations, once dense quality peaked). 0 would anchor to the
+            untrained initialisation: set it where dense quality is still good.
+        gram_refresh_every: steps between replacements of the Gram teacher by the EMA teacher (0 = never, the
+            default, as DINOv3's high-resolution adaptation; its 7B run refreshed every 10k iterations).
+        gram_max_refreshes: at most this many replacements (3, as DINOv3's 7B run).
+        gram_teacher: a checkpoint path (any file ``--weights`` reads) holding the Gram teacher, used from
+            ``gram_start_step``; None (default) snapshots the EMA teacher at that step.
+        gram_resolution_scale: 2 gives the Gram teacher the global crops at twice their side (upsampled
+            bicubically) and resizes its patch features bicubically to the student's grid, as DINOv3's
+            high-resolution Gram teacher; 1 (default) costs no extra compute.
+        gram_remove_negative: count negative similarities as 0 on both sides (DINOv3's ``remove_neg``; off, as in
+            its 7B config).
         sync_every_n_steps: steps between the host's reads of the device (the finite-loss check, the
             collapse guard's signals), as Lightning's ``log_every_n_steps`` (50) reads the logged values. Each
             read waits for the GPU queue to drain; a non-finite loss is then reported (and a collapse seen) up
@@ -170,6 +188,13 @@ class DINO(DINOLifecycle):
         ibot_bn_stats: Literal["all", "unmasked"] = "all",
         mask_ratio_min_max: tuple[float, float] = (0.1, 0.5),
         mask_probability: float = 0.5,
+        gram_loss_weight: float = 0.0,
+        gram_start_step: int = 0,
+        gram_refresh_every: int = 0,
+        gram_max_refreshes: int = 3,
+        gram_teacher: str | None = None,
+        gram_resolution_scale: int = 1,
+        gram_remove_negative: bool = False,
         sync_every_n_steps: int = 50,
     ) -> None:
         super().__init__()
@@ -214,6 +239,9 @@ class DINO(DINOLifecycle):
                 center_momentum=center_momentum,
                 centering=centering,
             )
+        # Gram anchoring (ssl_xcit.dino.gram): the frozen Gram teacher, or None when off.
+        self.gram_teacher = build_gram_teacher(self.hparams, self.student, self.teacher)
+        self.gram_weight_now = 0.0  # this step's weight, a host float
         self.mask_sampler = MaskSampler(tuple(mask_ratio_min_max), mask_probability) if self.ibot else None
         self.ibot_out_dim = ibot_out_dim
         self.ibot_weight_now = float(ibot_loss_weight)  # this step's weight, from the schedule while training
@@ -258,6 +286,7 @@ class DINO(DINOLifecycle):
         opt = self.optimizers()
         lr, wd, momentum = self.schedules.at(self.global_step)
         self.ibot_weight_now = self.schedules.ibot_weight_at(self.global_step)
+        self._update_gram_teacher(self.global_step)
         crops = self._readable_crops(batch)
         if crops is None:  # every rank skips this batch
             self.skipped_batches += 1
@@ -287,6 +316,12 @@ class DINO(DINOLifecycle):
         if self._steps_since_read >= self.hparams.sync_every_n_steps:
             self._read_finite()
         return out.total.detach()
+
+    def _update_gram_teacher(self, step: int) -> None:
+        """Gram anchoring's snapshot or refresh before ``step``'s forward, and the step's weight (host only)."""
+        if self.gram_teacher is not None:
+            self.gram_teacher.update(self.teacher.backbone, step)
+            self.gram_weight_now = self.gram_teacher.weight_at(step)
 
     # The last step's collapse signals as floats, for callbacks and benchmarks: reading waits for the device.
     @property
@@ -352,6 +387,8 @@ class DINO(DINOLifecycle):
         crops = self._readable_crops(batch, skip_single_view=True)
         if crops is None:
             return None
+        if self.gram_teacher is not None:
+            self.gram_weight_now = self.gram_teacher.weight_at(self.trained_step)
         masks = None
         if self.ibot:  # a stream of its own (the trailing 1): validation never replays a training draw
             seed = [torch.initial_seed() % 2**63, self.global_rank, self.trained_step, batch_idx, 1]

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from lightning.pytorch import LightningModule
 
+from ssl_xcit.dino.gram import gram_term
 from ssl_xcit.dino.ibot import MaskedPatches, masked_forward
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.loss import DINOLossOutput
@@ -53,15 +54,18 @@ class StepLosses(NamedTuple):
     koleo: torch.Tensor | None  # None when KoLeo is off
     ibot: DINOLossOutput | None  # None when iBOT is off
     batch_size: int
+    gram: torch.Tensor | None = None  # None when Gram anchoring is off at this step
 
 
 def compute_losses(
     model: Any, crops: list[torch.Tensor], masks: MaskedPatches | None, epoch: int, update_center: bool
 ) -> StepLosses:
-    """One step's math, needing no Trainer: teacher (no grad) and student forwards, the DINO, KoLeo and
-    iBOT losses and their total. ``masks``: iBOT's (None when off); ``update_center``: move the EMA
+    """One step's math, needing no Trainer: teacher (no grad) and student forwards, the DINO, KoLeo,
+    iBOT and Gram losses and their total. ``masks``: iBOT's (None when off); ``update_center``: move the EMA
     centres (training) or not (validation)."""
     batch_size = crops[0].shape[0]
+    gram_on = getattr(model, "gram_weight_now", 0.0) > 0  # a host float of this step (ssl_xcit.dino.gram)
+    student_patches = None
     if masks is not None:
         fw = masked_forward(
             model.student,
@@ -72,10 +76,16 @@ def compute_losses(
             bn_from_unmasked=model.hparams.get("ibot_bn_stats", "all") == "unmasked",
         )
         teacher_output, student_output, embedding = fw.teacher_output, fw.student_output, fw.student_embedding
+        student_patches = fw.student_patch_tokens if gram_on else None
     else:
         with torch.no_grad():
             teacher_output = model.teacher(crops[:NUM_GLOBAL_CROPS])
-        student_output, embedding = model.student(crops, return_embeddings=True)
+        if gram_on:
+            student_output, embedding, student_patches = model.student.forward_with_patches(
+                crops, None, n_global=NUM_GLOBAL_CROPS
+            )
+        else:
+            student_output, embedding = model.student(crops, return_embeddings=True)
     dino = model.dino_loss(student_output, teacher_output, epoch, update_center=update_center)
     total, koleo, patch = dino.loss, None, None
     if model.hparams.koleo_weight > 0:
@@ -94,7 +104,10 @@ def compute_losses(
         )
         # The weight of this step (ibot_weight_warmup_epochs ramps it up), a host float: no device read.
         total = total + model.ibot_weight_now * patch.loss
-    return StepLosses(total, dino, koleo, patch, batch_size)
+    gram = gram_term(model, crops[:NUM_GLOBAL_CROPS], student_patches)
+    if gram is not None:
+        total = total + model.gram_weight_now * gram
+    return StepLosses(total, dino, koleo, patch, batch_size, gram)
 
 
 def log_losses(module: LightningModule, stage: str, out: StepLosses) -> None:
@@ -110,6 +123,8 @@ def log_losses(module: LightningModule, stage: str, out: StepLosses) -> None:
         module.log(f"{stage}/ibot_loss", out.ibot.loss.detach(), **kw)
         module.log(f"{stage}/ibot_teacher_entropy", out.ibot.teacher_entropy, **kw)
         module.log(f"{stage}/ibot_kl_to_uniform", out.ibot.kl_to_uniform, **kw)
+    if out.gram is not None:
+        module.log(f"{stage}/gram_loss", out.gram.detach(), **kw)
 
 
 def log_host_scalars(module: LightningModule, lr: float, wd: float, momentum: float) -> None:

@@ -1,0 +1,270 @@
+"""DINOv3's Gram anchoring: the student's patch-to-patch similarities held to those of a frozen Gram teacher.
+
+The loss (DINOv3's ``dinov3/loss/gram_loss.py`` with ``img_level: true``, ``tokens_used: all``): per image,
+L2-normalise the N patch features of student and Gram teacher, form each N x N Gram matrix of cosine
+similarities, and take the mean squared difference over every entry of every image. ``remove_negative`` sets
+negative similarities of both matrices to 0 first (DINOv3's ``remove_neg``; its 7B run keeps them).
+
+Which features (DINOv3's ``SSLMetaArch.get_gram_teacher_output``): the student's final-norm patch tokens of its
+global crops from the DINO/iBOT pass itself (masked when iBOT masks them), and the Gram teacher's final-norm
+patch tokens of the same crops. With ``resolution_scale`` 2 the Gram teacher sees each global crop at twice its
+side and its patch features are resized bicubically (no antialias, ``align_corners=False``) to the student's
+patch grid. DINOv3's loader gives the Gram teacher its own crop at twice the size; here the loader makes one
+size, so the global crop itself is upsampled bicubically: the teacher gets the denser token grid, not detail
+the crop never had.
+
+Memory: one N x N float32 matrix per image grows as the square of the token count (XCiT/8 at 448 px: N = 3,136,
+39 MB an image). Images are taken in chunks of at most :data:`CHUNK_BYTES` of Gram matrix each; with more than
+one chunk every chunk is checkpointed (recomputed in the backward), so no N x N tensor of the whole batch is
+ever alive (``benchmarks/bench_gram.py``; docs/ibot.md, "Gram anchoring").
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ssl_xcit.errors import UserError
+from ssl_xcit.models.base import MASKING_FAMILIES
+
+# Gram-matrix bytes per chunk of images (float32). Below it a batch is one chunk (no recomputation); above it
+# the peak of the term is a few chunks, whatever the batch.
+CHUNK_BYTES = 256 * 2**20
+
+
+def _chunk_sum(student: torch.Tensor, teacher: torch.Tensor, remove_negative: bool) -> torch.Tensor:
+    """Sum over images and entries of (Gram(student) - Gram(teacher))**2 for unit rows (c, N, D), float32."""
+    student_sim = torch.matmul(student, student.transpose(-1, -2))
+    with torch.no_grad():
+        teacher_sim = torch.matmul(teacher, teacher.transpose(-1, -2))
+        if remove_negative:
+            teacher_sim = teacher_sim.clamp_min(0.0)
+    if remove_negative:  # DINOv3 zeroes them in place: the same value and a zero gradient there
+        student_sim = student_sim.clamp_min(0.0)
+    return (student_sim - teacher_sim).square().sum()
+
+
+def gram_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    remove_negative: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """Mean over images b and patch pairs (i, j) of (cos(s_bi, s_bj) - cos(t_bi, t_bj))**2, in float32.
+
+    ``student`` (B, N, D) carries the gradient; ``teacher`` (B, N, D') is a target (D' may differ from D: only
+    the N x N matrices meet). ``remove_negative``: negative similarities count as 0 on both sides."""
+    if student.ndim != 3 or teacher.shape[:2] != student.shape[:2]:
+        raise ValueError(
+            f"the Gram loss needs student and teacher patch features (B, N, D) with the same B and N, got "
+            f"{tuple(student.shape)} and {tuple(teacher.shape)}"
+        )
+    n_images, n_tokens = student.shape[:2]
+    with torch.autocast(student.device.type, enabled=False):
+        student = F.normalize(student.float(), dim=-1)
+        teacher = F.normalize(teacher.detach().float(), dim=-1)
+        per_chunk = max(1, chunk_bytes // (4 * n_tokens * n_tokens))
+        if per_chunk >= n_images:
+            total = _chunk_sum(student, teacher, remove_negative)
+        else:
+            # Chunk sums in float32 (each up to per_chunk * N^2 terms, as the unchunked sum), one chunk's
+            # matrices alive at a time in the forward and again in the backward.
+            total = sum(
+                checkpoint(_chunk_sum, s, t, remove_negative, use_reentrant=False, preserve_rng_state=False)
+                for s, t in zip(student.split(per_chunk), teacher.split(per_chunk), strict=True)
+            )
+        return total / (n_images * n_tokens * n_tokens)
+
+
+def resize_patches(tokens: torch.Tensor, grid: tuple[int, int], size: tuple[int, int]) -> torch.Tensor:
+    """Patch features (B, h*w, D) on ``grid`` (h, w) resized bicubically to ``size`` (h', w'), as DINOv3 resizes
+    its Gram teacher's (no antialias, ``align_corners=False``); float32 out."""
+    if tuple(grid) == tuple(size):
+        return tokens.float()
+    maps = tokens.float().transpose(1, 2).unflatten(-1, tuple(grid))  # (B, D, h, w)
+    maps = F.interpolate(maps, size=tuple(size), mode="bicubic", align_corners=False, antialias=False)
+    return maps.flatten(-2).transpose(1, 2)
+
+
+def check_gram_settings(hp: Mapping[str, Any], backbone: nn.Module) -> None:
+    """A UserError naming the first Gram setting of DINO's hyperparameters ``hp`` that cannot work with
+    ``backbone`` (the student's)."""
+    weight = hp.get("gram_loss_weight", 0.0)
+    if not weight >= 0:
+        raise UserError(f"gram_loss_weight must be >= 0 (0 disables Gram anchoring), got {weight!r}")
+    for name in ("gram_start_step", "gram_refresh_every", "gram_max_refreshes"):
+        value = hp.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UserError(f"{name} must be an integer >= 0, got {value!r}")
+    scale = hp.get("gram_resolution_scale", 1)
+    if isinstance(scale, bool) or scale not in (1, 2):
+        raise UserError(
+            f"gram_resolution_scale must be 1 or 2 (the Gram teacher's crop side / the student's), "
+            f"got {scale!r}"
+        )
+    source = hp.get("gram_teacher")
+    if source is not None and (not isinstance(source, (str, os.PathLike)) or not str(source)):
+        raise UserError(
+            f"gram_teacher must be a checkpoint path (any file --weights reads) or null for a snapshot of the "
+            f"EMA teacher at gram_start_step, got {source!r}"
+        )
+    if weight > 0 and source is not None and not os.path.isfile(source):
+        raise UserError(f"gram_teacher checkpoint not found: {source}")
+    if weight > 0 and not getattr(backbone, "supports_masking", False):
+        raise UserError(
+            f"Gram anchoring needs the final-norm patch tokens of the student's own pass, which "
+            f"{getattr(backbone, 'family', '?')} backbones ({getattr(backbone, 'name', '?')}) do not give; it works "
+            f"with the {', '.join(MASKING_FAMILIES)} families (or set gram_loss_weight: 0)"
+        )
+
+
+class GramTeacher(nn.Module):
+    """The frozen Gram teacher (a backbone like the EMA teacher's, without its head or mask token) and its
+    schedule.
+
+    Its weights ride the module's state dict (``gram_teacher.backbone.*``); whether it holds a teacher yet and
+    how many refreshes it has had ride it too (``gram_teacher._extra_state``, a CPU tensor, so checkpoint
+    readers that expect tensors keep working): a resumed run holds the same Gram teacher and refresh count.
+
+    Args:
+        teacher_backbone: the EMA teacher's backbone; copied for the architecture (and refreshed from).
+        weight: the term's weight from ``start_step`` on.
+        start_step: the optimiser step from which the term counts; with no ``source``, the EMA teacher of that
+            step is snapshotted before the step's forward.
+        refresh_every: the Gram teacher is replaced by the EMA teacher every this many steps after
+            ``start_step`` (0 = never).
+        max_refreshes: at most this many replacements.
+        source: a checkpoint path (read by ``ssl_xcit.models.checkpoint.load_pretrained``, as ``--weights``), or
+            None for the snapshot.
+        resolution_scale: 1, or 2 for the global crops at twice their side for the Gram teacher.
+        remove_negative: negative similarities count as 0 (DINOv3's ``remove_neg``).
+    """
+
+    def __init__(
+        self,
+        teacher_backbone: nn.Module,
+        weight: float,
+        start_step: int = 0,
+        refresh_every: int = 0,
+        max_refreshes: int = 3,
+        source: str | os.PathLike | None = None,
+        resolution_scale: int = 1,
+        remove_negative: bool = False,
+    ) -> None:
+        super().__init__()
+        backbone = copy.deepcopy(teacher_backbone)
+        if getattr(backbone, "mask_token", None) is not None:
+            del backbone.mask_token  # iBOT's token: the Gram teacher never sees a mask
+        backbone.requires_grad_(False)
+        for module in backbone.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.momentum = 0.0  # batch statistics in the forward, running statistics left as taken
+        self.backbone = backbone.train(True)
+        self.weight = float(weight)
+        self.start_step, self.refresh_every, self.max_refreshes = start_step, refresh_every, max_refreshes
+        self.source = None if source is None else str(source)
+        self.resolution_scale, self.remove_negative = int(resolution_scale), bool(remove_negative)
+        self.initialised = False  # host facts: no device read decides anything
+        self.refreshes = 0
+
+    def train(self, mode: bool = True) -> GramTeacher:
+        """The Gram teacher computes its features as the EMA teacher does while training: in train mode, its
+        BatchNorms (XCiT's stem and LPI) with batch statistics, whatever mode the module tree is put in, so
+        training and validation see the same term. It has no drop path; its BatchNorms' momentum is 0, so
+        their running statistics stay those of the teacher it was taken from. (DINOv3's Gram teacher runs in
+        eval mode, which is the same for its ViTs, which have no BatchNorm.)"""
+        super().train(mode)
+        self.backbone.train(True)
+        return self
+
+    # -------------------------------------------------------------------------------------- schedule
+    def weight_at(self, step: int) -> float:
+        """The term's weight at optimiser ``step`` (0 before ``start_step`` or before a Gram teacher is held)."""
+        return self.weight if step >= self.start_step and self.initialised else 0.0
+
+    @torch.no_grad()
+    def update(self, teacher_backbone: nn.Module, step: int) -> None:
+        """Before ``step``'s forward: take the first Gram teacher (the EMA teacher's snapshot, or ``source``)
+        once ``step`` reaches ``start_step``, then replace it by the EMA teacher every ``refresh_every`` steps,
+        at most ``max_refreshes`` times. Host arithmetic and device copies only: nothing waits."""
+        if step < self.start_step:
+            return
+        if not self.initialised:
+            if self.source is None:
+                self._copy_from(teacher_backbone)
+            else:
+                self.load_source()
+            self.initialised = True
+            return
+        due = self.start_step + (self.refreshes + 1) * self.refresh_every
+        if self.refresh_every > 0 and self.refreshes < self.max_refreshes and step >= due:
+            self._copy_from(teacher_backbone)
+            self.refreshes += 1
+
+    def load_source(self) -> None:
+        """Read ``source`` into the Gram teacher with the loader ``--weights`` uses (a UserError names a file
+        that holds another architecture)."""
+        from ssl_xcit.models.checkpoint import load_pretrained
+
+        if not os.path.isfile(self.source):
+            raise UserError(f"gram_teacher checkpoint not found: {self.source}")
+        load_pretrained(self.backbone, self.source, strict=True)
+
+    def _copy_from(self, teacher_backbone: nn.Module) -> None:
+        source = teacher_backbone.state_dict()
+        own = self.backbone.state_dict()
+        torch._foreach_copy_(list(own.values()), [source[k] for k in own])
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([int(self.initialised), self.refreshes], dtype=torch.int64)
+
+    def set_extra_state(self, state: Any) -> None:
+        values = torch.as_tensor(state, device="cpu").tolist()  # saved on the host, loaded to the host
+        self.initialised, self.refreshes = bool(values[0]), int(values[1])
+
+    # ------------------------------------------------------------------------------------------ loss
+    def loss(self, global_crops: torch.Tensor, student_patches: torch.Tensor) -> torch.Tensor:
+        """The Gram loss of the student's patch tokens (G*B, N, C) of ``global_crops`` (G*B, 3, H, W) against
+        the Gram teacher's of the same crops (at ``resolution_scale`` x their side)."""
+        grid = self.backbone.token_grid(*global_crops.shape[-2:])
+        with torch.no_grad():
+            crops = global_crops
+            if self.resolution_scale != 1:
+                crops = F.interpolate(
+                    global_crops, scale_factor=self.resolution_scale, mode="bicubic", align_corners=False
+                )
+            _, tokens = self.backbone.forward_cls_patches(crops)
+            teacher = resize_patches(tokens, self.backbone.token_grid(*crops.shape[-2:]), grid)
+        return gram_loss(student_patches, teacher, self.remove_negative)
+
+
+def build_gram_teacher(hp: Mapping[str, Any], student: nn.Module, teacher: nn.Module) -> GramTeacher | None:
+    """The Gram teacher DINO's hyperparameters ``hp`` ask for (None when ``gram_loss_weight`` is 0), after
+    checking them against the student's backbone."""
+    check_gram_settings(hp, student.backbone)
+    if not hp.get("gram_loss_weight", 0.0) > 0:
+        return None
+    return GramTeacher(
+        teacher.backbone,
+        hp["gram_loss_weight"],
+        start_step=hp["gram_start_step"],
+        refresh_every=hp["gram_refresh_every"],
+        max_refreshes=hp["gram_max_refreshes"],
+        source=hp["gram_teacher"],
+        resolution_scale=hp["gram_resolution_scale"],
+        remove_negative=hp["gram_remove_negative"],
+    )
+
+
+def gram_term(model: Any, global_crops: list[torch.Tensor], student_patches: torch.Tensor | None):
+    """This step's Gram loss (a device tensor), or None when the term is off at this step."""
+    if student_patches is None:
+        return None
+    return model.gram_teacher.loss(torch.cat(list(global_crops)), student_patches)
