@@ -21,7 +21,6 @@ ever alive (``benchmarks/bench_gram.py``; docs/ibot.md, "Gram anchoring").
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -55,12 +54,13 @@ def gram_loss(
     student: torch.Tensor,
     teacher: torch.Tensor,
     remove_negative: bool = False,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> torch.Tensor:
     """Mean over images b and patch pairs (i, j) of (cos(s_bi, s_bj) - cos(t_bi, t_bj))**2, in float32.
 
     ``student`` (B, N, D) carries the gradient; ``teacher`` (B, N, D') is a target (D' may differ from D: only
-    the N x N matrices meet). ``remove_negative``: negative similarities count as 0 on both sides."""
+    the N x N matrices meet). ``remove_negative``: negative similarities count as 0 on both sides.
+    ``chunk_bytes``: Gram-matrix bytes per chunk of images (None: :data:`CHUNK_BYTES`)."""
     if student.ndim != 3 or teacher.shape[:2] != student.shape[:2]:
         raise ValueError(
             f"the Gram loss needs student and teacher patch features (B, N, D) with the same B and N, got "
@@ -70,7 +70,7 @@ def gram_loss(
     with torch.autocast(student.device.type, enabled=False):
         student = F.normalize(student.float(), dim=-1)
         teacher = F.normalize(teacher.detach().float(), dim=-1)
-        per_chunk = max(1, chunk_bytes // (4 * n_tokens * n_tokens))
+        per_chunk = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * n_tokens * n_tokens))
         if per_chunk >= n_images:
             total = _chunk_sum(student, teacher, remove_negative)
         else:
@@ -134,7 +134,8 @@ class GramTeacher(nn.Module):
     readers that expect tensors keep working): a resumed run holds the same Gram teacher and refresh count.
 
     Args:
-        teacher_backbone: the EMA teacher's backbone; copied for the architecture (and refreshed from).
+        backbone: a backbone of the teacher's architecture (without drop path), made like the teacher's.
+        teacher_backbone: the EMA teacher's backbone, which the Gram teacher is taken from.
         weight: the term's weight from ``start_step`` on.
         start_step: the optimiser step from which the term counts; with no ``source``, the EMA teacher of that
             step is snapshotted before the step's forward.
@@ -149,6 +150,7 @@ class GramTeacher(nn.Module):
 
     def __init__(
         self,
+        backbone: nn.Module,
         teacher_backbone: nn.Module,
         weight: float,
         start_step: int = 0,
@@ -159,14 +161,12 @@ class GramTeacher(nn.Module):
         remove_negative: bool = False,
     ) -> None:
         super().__init__()
-        backbone = copy.deepcopy(teacher_backbone)
-        if getattr(backbone, "mask_token", None) is not None:
-            del backbone.mask_token  # iBOT's token: the Gram teacher never sees a mask
         backbone.requires_grad_(False)
         for module in backbone.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.momentum = 0.0  # batch statistics in the forward, running statistics left as taken
         self.backbone = backbone.train(True)
+        self._copy_from(teacher_backbone)  # defined weights until the first Gram teacher is taken
         self.weight = float(weight)
         self.start_step, self.refresh_every, self.max_refreshes = start_step, refresh_every, max_refreshes
         self.source = None if source is None else str(source)
@@ -218,9 +218,10 @@ class GramTeacher(nn.Module):
         load_pretrained(self.backbone, self.source, strict=True)
 
     def _copy_from(self, teacher_backbone: nn.Module) -> None:
-        source = teacher_backbone.state_dict()
-        own = self.backbone.state_dict()
-        torch._foreach_copy_(list(own.values()), [source[k] for k in own])
+        # Parameters and every buffer, the non-persistent ones too.
+        source = {**dict(teacher_backbone.named_parameters()), **dict(teacher_backbone.named_buffers())}
+        own = {**dict(self.backbone.named_parameters()), **dict(self.backbone.named_buffers())}
+        torch._foreach_copy_([t.data for t in own.values()], [source[k].detach() for k in own])
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.tensor([int(self.initialised), self.refreshes], dtype=torch.int64)
@@ -251,7 +252,15 @@ def build_gram_teacher(hp: Mapping[str, Any], student: nn.Module, teacher: nn.Mo
     check_gram_settings(hp, student.backbone)
     if not hp.get("gram_loss_weight", 0.0) > 0:
         return None
+    from ssl_xcit.models import create_model
+
+    # Built anew rather than deep-copied: no iBOT mask token, and its tensors are made as the teacher's were
+    # (fake tensors included). Its initial weights are overwritten; the forked RNG keeps the run's stream as
+    # it is without the term.
+    with torch.random.fork_rng(devices=[]):
+        backbone = create_model(hp["backbone"], drop_path_rate=0.0, **dict(hp.get("backbone_kwargs") or {}))
     return GramTeacher(
+        backbone,
         teacher.backbone,
         hp["gram_loss_weight"],
         start_step=hp["gram_start_step"],

@@ -52,19 +52,31 @@ class _Trainer:  # what the collapse guard reads of a trainer
 
 
 def one_step(
-    backbone: str, dtype: torch.dtype, centering: str, ibot: bool, koleo: bool, ibot_bn_stats: str = "all"
+    backbone: str,
+    dtype: torch.dtype,
+    centering: str,
+    ibot: bool,
+    koleo: bool,
+    ibot_bn_stats: str = "all",
+    gram_scale: int = 0,
 ) -> torch.Tensor:
     default = torch.get_default_dtype()
     # Parameters made in `dtype`, as bf16-true's init context does (a fake module cannot be cast afterwards).
     torch.set_default_dtype(dtype)
     try:
-        return _one_step(backbone, dtype, centering, ibot, koleo, ibot_bn_stats)
+        return _one_step(backbone, dtype, centering, ibot, koleo, ibot_bn_stats, gram_scale)
     finally:
         torch.set_default_dtype(default)
 
 
 def _one_step(
-    backbone: str, dtype: torch.dtype, centering: str, ibot: bool, koleo: bool, ibot_bn_stats: str
+    backbone: str,
+    dtype: torch.dtype,
+    centering: str,
+    ibot: bool,
+    koleo: bool,
+    ibot_bn_stats: str,
+    gram_scale: int,
 ) -> torch.Tensor:
     with FakeTensorMode(), torch.device("cuda"):
         model = DINO(
@@ -78,6 +90,8 @@ def _one_step(
             ibot_bn_stats=ibot_bn_stats,
             koleo_weight=0.1 if koleo else 0.0,
             freeze_last_layer=1,
+            gram_loss_weight=1.0 if gram_scale else 0.0,  # gram_scale 0: Gram anchoring off
+            gram_resolution_scale=max(gram_scale, 1),
         )
         assert next(model.parameters()).dtype == dtype
         crops = [torch.randn(4, 3, s, s, dtype=dtype) for s in (32, 32, 16, 16)]
@@ -86,6 +100,7 @@ def _one_step(
         watch = NoBlockingCopies()  # the step, not the construction
         watch.__enter__()
         masks = model.draw_masks(crops[0], [0, 0, 0, 0]) if ibot else None
+        model._update_gram_teacher(0)  # Gram anchoring's snapshot of the EMA teacher at its start step
         out = model.compute_losses(crops, masks, epoch=0, update_center=True)
         model._finite.observe(out.total, step=0)
         assert out.total.requires_grad and out.total.grad_fn is not None
@@ -110,6 +125,7 @@ def _one_step(
         watch.__exit__(None, None, None)
     assert out.total.device.type == "cuda" and scalars["train/lr"].device.type == "cuda"
     assert (out.koleo is not None) == koleo and (out.ibot is not None) == ibot
+    assert (out.gram is not None) == bool(gram_scale)
     assert len(guard._pending) == 1  # buffered on the device, not read
     return out.total
 
@@ -155,6 +171,37 @@ def test_unmasked_batchnorm_statistics_stay_on_the_device(dtype, monkeypatch):
     and counts stay device tensors, so the masked pass still has no host sync."""
     monkeypatch.setattr(torch.nn.init, "trunc_normal_", timm.layers.trunc_normal_)
     total = one_step("xcit_nano_12_p8", dtype, "ema", True, False, ibot_bn_stats="unmasked")
+    assert total.shape == () and total.dtype == torch.float32
+
+
+GRAM_CASES = [
+    # (backbone, dtype, ibot, gram_scale); the last two are slow (fake mode runs every op's Python dispatch)
+    pytest.param("xcit_nano_12_p8", torch.float32, True, 2, id="xcit-float32-ibot1-x2"),
+    pytest.param("vit_tiny_patch16_224", torch.bfloat16, True, 2, id="vit-bfloat16-ibot1-x2"),
+    pytest.param(
+        "xcit_nano_12_p8", torch.bfloat16, False, 1, id="xcit-bfloat16-ibot0-x1", marks=pytest.mark.slow
+    ),
+    pytest.param("cait_xxs24", torch.float32, False, 2, id="cait-float32-ibot0-x2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("backbone, dtype, ibot, gram_scale", GRAM_CASES)
+def test_gram_anchoring_step_has_no_device_mismatch_and_no_host_sync(
+    backbone, dtype, ibot, gram_scale, monkeypatch
+):
+    """Gram anchoring on (``ssl_xcit.dino.gram``): the snapshot of the EMA teacher, the Gram teacher's forward
+    at 1x or 2x, the bicubic resize and the Gram loss stay on the device, in float32 and bfloat16. Chunks of
+    one image: the checkpointed path that bounds the term's memory at large token counts."""
+    import ssl_xcit.dino.gram
+
+    monkeypatch.setattr(ssl_xcit.dino.gram, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(torch.nn.init, "trunc_normal_", timm.layers.trunc_normal_)
+    monkeypatch.setattr(
+        timm.models.vision_transformer,
+        "calculate_drop_path_rates",
+        lambda rate, depth: np.linspace(0, rate, depth).tolist(),
+    )
+    total = one_step(backbone, dtype, "sinkhorn_knopp", ibot, True, gram_scale=gram_scale)
     assert total.shape == () and total.dtype == torch.float32
 
 
