@@ -35,7 +35,7 @@ from ssl_xcit.models.base import MASKING_FAMILIES
 
 # Gram-matrix bytes per chunk of images (float32). Below it a batch is one chunk (no recomputation); above it
 # the peak of the term is a few chunks, whatever the batch.
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 128 * 2**20
 
 
 def _chunk_sum(student: torch.Tensor, teacher: torch.Tensor, remove_negative: bool) -> torch.Tensor:
@@ -270,6 +270,24 @@ def build_gram_teacher(hp: Mapping[str, Any], student: nn.Module, teacher: nn.Mo
         resolution_scale=hp["gram_resolution_scale"],
         remove_negative=hp["gram_remove_negative"],
     )
+
+
+def adapt_checkpoint_state(state: dict[str, torch.Tensor], gram_teacher: GramTeacher | None) -> None:
+    """Make a checkpoint's ``state`` dict fit a module with or without Gram anchoring, in place, so that a run
+    can switch the term on when it resumes (DINOv3 switches it on late in a run) or off. Switched on: the Gram
+    teacher's keys are filled from the checkpoint's EMA teacher, with no Gram teacher taken yet (the snapshot
+    comes at ``gram_start_step``). Switched off: its keys are dropped."""
+    prefix = "gram_teacher."
+    if gram_teacher is None:
+        for key in [k for k in state if k.startswith(prefix)]:
+            del state[key]
+        return
+    if any(k.startswith(prefix) for k in state):
+        return
+    for key, value in gram_teacher.state_dict().items():
+        source = "teacher.backbone." + key.removeprefix("backbone.")
+        state[prefix + key] = state[source] if source in state else value
+    state[prefix + "_extra_state"] = torch.tensor([0, 0], dtype=torch.int64)
 
 
 def gram_term(model: Any, global_crops: list[torch.Tensor], student_patches: torch.Tensor | None):

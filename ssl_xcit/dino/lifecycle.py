@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.dino.checkpointing import last_checkpoint
+from ssl_xcit.dino.gram import adapt_checkpoint_state
 from ssl_xcit.dino.optim import build_optimizer, get_params_groups
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
 from ssl_xcit.dino.step_checks import diverged
@@ -139,3 +140,5 @@ class DINOLifecycle(LightningModule):
         # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
         self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
         restore_rng_states(checkpoint.get("rng_states"))
+        if "state_dict" in checkpoint:  # Gram anchoring switched on or off at resume (ssl_xcit.dino.gram)
+            adapt_checkpoint_state(checkpoint["state_dict"], getattr(self, "gram_teacher", None))

@@ -1,4 +1,4 @@
-"""DINO's step math and what it logs: the forwards, the DINO, KoLeo and iBOT losses and their total.
+"""DINO's step math and what it logs: the forwards, the DINO, KoLeo, iBOT and Gram losses and their total.
 
 :func:`compute_losses` needs no Trainer: ``DINO.training_step`` and ``DINO.validation_step`` both call it (so
 ``val/loss`` and ``train/loss`` are the same quantity), and the fake-CUDA tests (``tests/gpu``) run it as is.

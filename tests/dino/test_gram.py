@@ -229,3 +229,21 @@ def test_resume_restores_the_gram_teacher_and_its_refresh_count(tmp_path):
     step, initialised, refreshes, weights, _ = after.states[0]
     assert (step, initialised, refreshes) == (5, True, 1)
     assert _equal(weights, saved)  # the saved Gram teacher, neither the EMA teacher nor a new snapshot
+
+
+def test_a_run_switches_the_term_on_or_off_when_it_resumes(tmp_path):
+    """DINOv3 switches Gram anchoring on late in a run: a checkpoint without the term resumes with it (the
+    snapshot comes at gram_start_step, from the restored EMA teacher), and one with it resumes without it."""
+    from conftest import tiny_loader, tiny_trainer
+
+    tiny_trainer(tmp_path, max_epochs=1).fit(tiny(), tiny_loader(n=16, batch_size=4))  # 4 steps, no Gram
+    on, record = tiny(gram_loss_weight=1.0, gram_start_step=5), _GramState()
+    trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[record])
+    trainer.fit(on, tiny_loader(n=16, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert [(s[0], s[1]) for s in record.states] == [(5, False), (6, True), (7, True), (8, True)]
+    assert "train/gram_loss" in trainer.callback_metrics
+
+    off = tiny()
+    trainer = tiny_trainer(tmp_path, max_epochs=3)
+    trainer.fit(off, tiny_loader(n=16, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert trainer.global_step == 12 and off.gram_teacher is None
