@@ -235,7 +235,7 @@ class DINO(DINOLifecycle):
         self._steps_since_read = 0
         self._compiled = False
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
-        self.init_state: dict[str, Any] | None = None  # set when init_from was loaded (ssl_xcit.dino.init_from)
+        self.init_state: dict[str, Any] | None = None  # init_from's record (ssl_xcit.dino.init_from)
 
     # ------------------------------------------------------------------------------------------- training
     def forward(self, x: torch.Tensor) -> torch.Tensor:
