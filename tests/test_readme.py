@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import timm
+from safetensors.torch import save_file
 
 from ssl_xcit.cli import main as cli_main
 from ssl_xcit.data import datamodule as dm_module
@@ -176,9 +178,6 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
            "gnd": [{"bbx": [0.0, 0.0, 200.0, 200.0], "easy": [0], "hard": [1], "junk": [2]}]}  # fmt: skip
     (oxford / "gnd_roxford5k.pkl").write_bytes(pickle.dumps(gnd))
     # timm's ImageNet XCiT-N12/8 as its hub stores it (random values: this machine has no network)
-    import timm
-    from safetensors.torch import save_file
-
     save_file(
         timm.create_model("xcit_nano_12_p8_224", num_classes=1000).state_dict(),
         root / "xcit_nano.safetensors",

@@ -125,10 +125,13 @@ def timm_weights(spec: str) -> InitWeights:
         close = difflib.get_close_matches(name, timm.list_pretrained(), n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise UserError(f"--model.init_from {label}: timm has no model {arch!r}{hint}")
-    if tag and name not in timm.list_pretrained(arch + ".*"):
-        tags = ", ".join(timm.list_pretrained(arch + ".*")) or "none"
+    released = timm.list_pretrained(arch + ".*")
+    if not released:  # timm would build it with random weights and a warning
+        raise UserError(f"--model.init_from {label}: timm has no pretrained weights for {arch}")
+    if tag and name not in released:
         raise UserError(
-            f"--model.init_from {label}: timm has no weights {name!r}; its weights for {arch}: {tags}"
+            f"--model.init_from {label}: timm has no weights {name!r}; its weights for {arch}: "
+            + ", ".join(released)
         )
     if file and not Path(file).is_file():
         raise UserError(f"--model.init_from {label}: weights file not found: {file}")

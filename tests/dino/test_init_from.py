@@ -159,8 +159,15 @@ def test_timm_weights_from_a_local_file(tmp_path):
             "its weights for xcit_nano_12_p16_224: xcit_nano_12_p16_224.fb_dist",
         ),
         ("timm:xcit_nano_12_p16_224.fb_in1k@{tmp}/missing.safetensors", "weights file not found"),
+        ("timm:vit_base_patch16_gap_224", "timm has no pretrained weights for vit_base_patch16_gap_224"),
     ],
-    ids=["missing-file", "unknown-timm-name", "unknown-timm-tag", "missing-timm-file"],
+    ids=[
+        "missing-file",
+        "unknown-timm-name",
+        "unknown-timm-tag",
+        "missing-timm-file",
+        "timm-without-weights",
+    ],
 )
 def test_bad_sources_are_one_line(source, expected, tmp_path):
     with pytest.raises(UserError) as error:
