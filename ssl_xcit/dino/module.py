@@ -223,6 +223,8 @@ class DINO(DINOLifecycle):
         # the collapse guard reads them every sync_every_n_steps steps.
         self.signal_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._finite = FiniteWatch()
+        # Host values for the progress bar (``ssl_xcit.dino.progress``), refreshed by the reads above only.
+        self.progress_values: dict[str, float] = {}
         self._agree = HostAgreement()
         self._steps_since_read = 0
         self._compiled = False
