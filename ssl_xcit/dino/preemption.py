@@ -130,7 +130,8 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install((signal.SIGTERM,))  # Lightning replaced it after setup
-        if signal.getsignal(signal.SIGTERM) == self._on_signal:  # ours now: Lightning's per-step check is idle
+        # Ours now: Lightning's per-step SIGTERM check has nothing to find.
+        if signal.getsignal(signal.SIGTERM) == self._on_signal:
             sigterm_broadcast.silence(trainer)
 
     def on_train_batch_end(

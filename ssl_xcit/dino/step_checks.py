@@ -25,7 +25,7 @@ class FiniteWatch:
         self._state: torch.Tensor | None = None  # (bad, first bad step, its loss), float32 on the device
         self._last: torch.Tensor | None = None  # the last loss observed, on the device
         self.window: tuple[int, int] | None = None  # first and last step observed since the last read
-        self.last_loss: float | None = None  # the last observed loss, mean over the ranks, as of the last read
+        self.last_loss: float | None = None  # the last loss (mean over the ranks) as of the last read
 
     @torch.no_grad()
     def observe(self, loss: torch.Tensor, step: int) -> None:

@@ -47,7 +47,11 @@ class Record(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # before the module clips
         self.grads.append(
-            {n: p.grad.detach().clone() for n, p in pl_module.student.named_parameters() if p.grad is not None}
+            {
+                n: p.grad.detach().clone()
+                for n, p in pl_module.student.named_parameters()
+                if p.grad is not None
+            }
         )
 
 

@@ -8,7 +8,9 @@ from ssl_xcit.dino import sigterm_broadcast
 
 
 def test_silence_replaces_the_loops_broadcast_and_restore_undoes_it():
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     loop = trainer.fit_loop.epoch_loop
     assert "_broadcast_sigterm_tensor" not in vars(loop)  # Lightning 2.6: the class's method, run every step
     assert sigterm_broadcast.silence(trainer)
@@ -20,11 +22,14 @@ def test_silence_replaces_the_loops_broadcast_and_restore_undoes_it():
 
 
 def test_upstream_setting_is_used_where_lightning_has_it():
-    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     trainer.broadcast_sigterm_every_n_steps = 1  # the setting Lightning's PR 21640 proposes
     assert sigterm_broadcast.silence(trainer)
     assert trainer.broadcast_sigterm_every_n_steps > 10**9
-    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)  # the setting, not the override
+    # The setting, not the override.
+    assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)
     sigterm_broadcast.restore(trainer)
     assert trainer.broadcast_sigterm_every_n_steps == 1
 
