@@ -111,6 +111,8 @@ class DINOLifecycle(LightningModule):
         if self._trainer is None or not self._finite.pending:
             return
         found = self._finite.read(self.trainer.strategy.all_gather)
+        if self._finite.last_loss is not None:
+            self.progress_values["train/loss"] = self._finite.last_loss
         if found is None:
             return
         raise diverged(

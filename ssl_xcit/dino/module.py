@@ -24,9 +24,11 @@ fp16 grad scaler has unscaled the gradients, so the clip threshold is in true gr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 
 from ssl_xcit.data.datasets import EmptyBatch
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
@@ -231,6 +233,8 @@ class DINO(DINOLifecycle):
         # the collapse guard reads them every sync_every_n_steps steps.
         self.signal_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._finite = FiniteWatch()
+        # Host values for the progress bar (``ssl_xcit.dino.progress``), refreshed by the reads above only.
+        self.progress_values: dict[str, float] = {}
         self._agree = HostAgreement()
         self._steps_since_read = 0
         self._compiled = False
@@ -284,7 +288,8 @@ class DINO(DINOLifecycle):
             masks = self.draw_masks(crops[0], seed)
         out = self.compute_losses(crops, masks, self.current_epoch, update_center=True)
         self._finite.observe(out.total, self.global_step)
-        self.manual_backward(out.total / accumulate)
+        with self._gradient_sync(window_end):
+            self.manual_backward(out.total / accumulate)
         if window_end:
             self._optimizer_step(opt, momentum)
         log_losses(self, "train", out)
@@ -328,6 +333,14 @@ class DINO(DINOLifecycle):
                 f"DINO needs at least {NUM_GLOBAL_CROPS} (global) crops per image, got {len(crops)}"
             )
         return crops
+
+    def _gradient_sync(self, sync: bool) -> Any:
+        """Inside a window, DDP's gradient all-reduce waits for its last micro-batch: the gradients add up
+        locally (``no_sync``) and are reduced once, which gives the same average as k reductions."""
+        strategy = self.trainer.strategy
+        if sync or not isinstance(strategy, ParallelStrategy):
+            return contextlib.nullcontext()
+        return strategy.block_backward_sync()
 
     def _optimizer_step(self, opt: Any, momentum: float) -> None:
         """Step (-> ``on_before_optimizer_step``: clipping, last-layer freeze), clear, EMA. Nothing happens

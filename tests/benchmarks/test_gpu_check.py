@@ -24,7 +24,7 @@ EVERY_ROW = [
     ("quickstart", "16-mixed"), ("quickstart", "bf16-mixed"), ("quickstart", "bf16-true"), ("quickstart", "32-true"),
     ("compile", "off (32-true)"), ("compile", "on (32-true)"), ("ibot", "off (32-true)"), ("ibot", "on (32-true)"),
     ("ibot", "on + compile (32-true)"), ("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"),
-    ("host syncs per step", None), ("throughput", "--ci --device cpu"), ("ddp 2 = 1 process", None),
+    ("host syncs per step", None), ("host syncs per step (progress bar on)", None), ("throughput", "--ci --device cpu"), ("ddp 2 = 1 process", None),
 ]  # fmt: skip
 
 
@@ -69,13 +69,14 @@ def test_dry_run_subset_in_process(capsys):
     gpu_check = _script()
     code = gpu_check.main(["--dry-run", "--only", "augment,sync"])
     rows = parse(capsys.readouterr().out)
-    assert len(rows) == 3 and code == 0
-    _check(
-        rows,
-        [("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"), ("host syncs per step", None)],
-    )
-    result, status = next(v for k, v in rows.items() if k[0] == "host syncs per step")
-    assert status == "skip" and re.search(r"CPU proxy, host-side tensors included: \d+ per step", result)
+    assert len(rows) == 4 and code == 0
+    syncs = [("host syncs per step", None), ("host syncs per step (progress bar on)", None)]
+    _check(rows, [("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"), *syncs])
+    for name, _ in syncs:
+        result, status = next(v for k, v in rows.items() if k[0] == name)
+        assert status == "skip" and re.search(r"CPU proxy, host-side tensors included: \d+ per step", result)
+    bar = next(k for k in rows if k[0] == "host syncs per step (progress bar on)")
+    assert bar[1].endswith("SyncedRichProgressBar")  # the recipe's bar, really on
 
 
 def test_unknown_section_is_refused():
