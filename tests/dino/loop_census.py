@@ -298,6 +298,12 @@ class LoopCensus:
                 original = getattr(dist, name)
                 saved.append((dist, name, original))
                 setattr(dist, name, collective(name, original))
+        # CropBatch.to copies blocking to the CPU, as Lightning does, and non-blocking to an accelerator. On this
+        # CPU the census asks what it would do on a GPU, so no device type counts as blocking while it runs.
+        from ssl_xcit.data import device_crops
+
+        saved.append((device_crops, "_BLOCKING_DEVICE_TYPES", device_crops._BLOCKING_DEVICE_TYPES))
+        device_crops._BLOCKING_DEVICE_TYPES = ()
         modes = [_Dispatch(self), _Function(self)]
         try:
             for mode in modes:

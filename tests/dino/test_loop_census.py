@@ -23,7 +23,6 @@ STEPS = 8  # micro-batches per rank: 4 optimiser steps, 2 sync windows of 4
 # Sites whose fix belongs to another branch of issue 35 (regular expressions on the site); remove an entry once
 # that branch is merged.
 PENDING = {
-    r"ssl_xcit/data/device_crops\.py": "CropBatch.to copies blocking (the datastruct branch)",
     r"ssl_xcit/dino/syncbn\.py": "AllReduceBatchNorm's torch.tensor(..., device=) (the cluster branch)",
     r"ssl_xcit/dino/step_checks\.py:\d+ \(any\)": "HostAgreement's all-reduce and read per step (the cluster branch)",
 }
