@@ -15,12 +15,17 @@ from ssl_xcit.dino.precision import float32_math
 
 
 def nearest_neighbours(x: torch.Tensor) -> torch.Tensor:
-    """Index of each row's nearest other row of ``x`` (B, D), rows of unit norm. Runs on ``x``'s dtype with
-    autocast off: under bf16 autocast the similarities of a near-collapsed batch (all close to 1, where a
-    bfloat16 step is 2^-8) would tie, and most neighbours would be picked at random."""
+    """Index of each row's nearest other row of ``x`` (B, D), rows of unit norm: the largest dot product.
+
+    The similarities of a near-collapsed batch are all within ~1e-4 of 1. Under bf16 autocast (a step of 2^-8
+    there) or TF32 matmuls (``torch.set_float32_matmul_precision("high")``, 2^-11) they would tie and most
+    neighbours would be picked at random, so this B x B product runs in float64 with autocast off (float32 on
+    MPS, which has no float64): exact under every precision, and B^2 D is small beside the step.
+    """
+    wide = torch.float32 if x.device.type == "mps" else torch.float64
     with torch.no_grad(), float32_math(x.device):
-        # On the unit sphere the nearest neighbour is the largest dot product.
-        sim = x @ x.T
+        rows = x.to(wide)
+        sim = rows @ rows.T
         sim.fill_diagonal_(-2.0)
         return sim.argmax(dim=1)
 

@@ -48,11 +48,11 @@ def test_koleo_gradient_spreads_a_tight_batch():
 def test_koleo_is_exact_under_bf16_autocast():
     """A near-collapsed batch (every cosine above 0.999, the regime KoLeo exists for): under bf16 autocast the
     similarities would round to steps of 2^-9 near 1 and tie, and most neighbours change (the loss moved from
-    4.28 to 4.15 in the issue). Autocast is off inside, so neighbours and loss are float32's (and the loss a
-    float64 brute force's: one pair of candidates is within float32's rounding of a tie and may swap)."""
+    4.28 to 4.15 in the issue). Autocast is off inside: the neighbours are those of the float64 similarities
+    of the normalised rows, and the loss is float32's and a float64 brute force's."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 384, generator=g) + 0.01 * torch.randn(64, 384, generator=g)
-    unit = torch.nn.functional.normalize(x, dim=1)
+    unit = torch.nn.functional.normalize(x, dim=1).double()
     expected = (unit @ unit.T).fill_diagonal_(-2.0).argmax(dim=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         nearest = nearest_neighbours(torch.nn.functional.normalize(x, dim=1))
