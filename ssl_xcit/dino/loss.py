@@ -164,7 +164,12 @@ class DINOLoss(TeacherTargets):
             return self._loss(student_output.float(), teacher_output.float(), n_views, epoch, update_center)
 
     def _loss(
-        self, student_output: torch.Tensor, teacher_output: torch.Tensor, n_views: int, epoch: int, update: bool
+        self,
+        student_output: torch.Tensor,
+        teacher_output: torch.Tensor,
+        n_views: int,
+        epoch: int,
+        update: bool,
     ) -> DINOLossOutput:
         # Float32 with autocast off (``forward``), as DINOv2: log-softmax over 65536 prototypes in half
         # precision loses the tail, and autocast would run any product written here in half precision.
@@ -194,7 +199,9 @@ def ema_center_(center: torch.Tensor, teacher_output: torch.Tensor, momentum: fl
     A process with no rows still takes part in the all-reduce (it adds nothing)."""
     # torch.full, not torch.tensor([...], device=...): a fill kernel is queued, a host-to-device copy of a
     # Python list waits for the GPU queue to drain.
-    count = torch.full((1,), float(teacher_output.shape[0]), device=teacher_output.device, dtype=torch.float32)
+    count = torch.full(
+        (1,), float(teacher_output.shape[0]), device=teacher_output.device, dtype=torch.float32
+    )
     ema_center_from_sums_(center, teacher_output.float().sum(dim=0, keepdim=True), count, momentum)
 
 

@@ -96,7 +96,7 @@ def test_sinkhorn_inplace_works_in_the_callers_buffer():
 
 def _view_major_concat(a: torch.Tensor, b: torch.Tensor, views: int) -> torch.Tensor:
     """The rows of two view-major micro-batches as one view-major batch (each view: a's images, then b's)."""
-    return torch.cat([torch.cat(pair) for pair in zip(a.chunk(views), b.chunk(views))])
+    return torch.cat([torch.cat(pair) for pair in zip(a.chunk(views), b.chunk(views), strict=True)])
 
 
 def test_deferred_centre_moves_once_as_one_step_over_the_concatenated_batch():
@@ -112,7 +112,7 @@ def test_deferred_centre_moves_once_as_one_step_over_the_concatenated_batch():
     deferred.center.copy_(center0), whole.center.copy_(center0)
     deferred.defer_center = True
     parts = []
-    for student, teacher in zip(students, teachers):
+    for student, teacher in zip(students, teachers, strict=True):
         parts.append(deferred(student, teacher, epoch=0).loss)
         assert torch.equal(deferred.center, center0)  # not moved inside the window
     deferred.apply_center()

@@ -70,6 +70,8 @@ def test_true_half_precision_is_refused_before_training(tiny, tmp_path, precisio
     # In a half-precision teacher the EMA update rounds away (ssl_xcit.dino.precision); the crops' dtype under
     # the true precisions is checked on the datamodule alone (tests/gpu/test_device_augment_fake_cuda.py).
     trainer = tiny.trainer(tmp_path, max_epochs=1, precision=precision, limit_train_batches=1)
-    with pytest.raises(UserError, match=f"precision '{precision}' keeps DINO's teacher in .*use --trainer.precision {mixed}"):
+    with pytest.raises(
+        UserError, match=f"precision '{precision}' keeps DINO's teacher in .*use --trainer.precision {mixed}"
+    ):
         trainer.fit(tiny.model(), tiny.loader(n=4))
     assert trainer.global_step == 0

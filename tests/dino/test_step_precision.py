@@ -62,7 +62,9 @@ class Recorder:
             monkeypatch.setattr(loss_fn, "targets", self._targets(name, original))
         koleo, nearest = step_module.koleo_loss, koleo_module.nearest_neighbours
         monkeypatch.setattr(step_module, "koleo_loss", lambda x: self.koleo.append(x.detach()) or koleo(x))
-        monkeypatch.setattr(koleo_module, "nearest_neighbours", lambda x: self._keep(self.nearest, nearest(x)))
+        monkeypatch.setattr(
+            koleo_module, "nearest_neighbours", lambda x: self._keep(self.nearest, nearest(x))
+        )
 
     def _inputs(self, name):
         def hook(module, args):
@@ -124,7 +126,7 @@ def test_compute_losses_under_bf16_autocast_is_float32_after_the_networks(tiny, 
 
     # KoLeo: exact neighbours and float64's loss, per global crop.
     assert len(rec.koleo) == 2 and len(rec.nearest) == 2
-    for embedding, nearest in zip(rec.koleo, rec.nearest):
+    for embedding, nearest in zip(rec.koleo, rec.nearest, strict=True):
         unit = F.normalize(embedding.float(), dim=1).double()
         assert torch.equal(nearest, (unit @ unit.T).fill_diagonal_(-2.0).argmax(1))
     assert float(out.koleo) == pytest.approx(sum(_koleo64(e) for e in rec.koleo), rel=1e-5)
