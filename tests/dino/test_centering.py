@@ -123,3 +123,17 @@ def test_deferred_centre_moves_once_as_one_step_over_the_concatenated_batch():
     assert float(sum(parts) / 2) == pytest.approx(float(one), rel=1e-6)
     deferred.apply_center()  # an empty window: nothing moves
     torch.testing.assert_close(deferred.center, whole.center, rtol=1e-6, atol=1e-6)
+
+
+def test_centre_count_is_exact_under_a_half_precision_default_dtype():
+    """A precision plugin may make bfloat16 the default dtype while the loss runs: the row count (301 needs 9
+    significant bits, bfloat16 has 8) must not be rounded with it."""
+    loss_fn = DINOLoss(4, center_momentum=0.5)
+    teacher = torch.arange(1204, dtype=torch.float32).reshape(301, 4)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        loss_fn.update_center(teacher)
+    finally:
+        torch.set_default_dtype(default)
+    torch.testing.assert_close(loss_fn.center, 0.5 * teacher.mean(0, keepdim=True), rtol=1e-6, atol=0)
