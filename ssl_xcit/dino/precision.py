@@ -2,14 +2,14 @@
 "true" half precisions that DINO refuses.
 
 Mixed precision (``bf16-mixed``, ``16-mixed``) keeps float32 weights and runs the networks' matrix products
-in half precision; everything after the networks (KoLeo's neighbour search, softmaxes, Sinkhorn-Knopp, the
-centres) runs in float32 with autocast off, as DINOv2 does.
+in half precision; everything after the networks (KoLeo, softmaxes, Sinkhorn-Knopp, the centres) runs in
+float32 with autocast off, as DINOv2 does, and KoLeo's neighbour search in float64.
 
 ``bf16-true`` and ``16-true`` are refused. Lightning's "true" precisions mean the module's weights live in that
 dtype, and DINO cannot train there: the teacher's EMA adds (1 - m) x (student - teacher), with m rising to 1
 over the run, and that update is below half a unit in the last place of a bfloat16 (8-bit significand) or
-float16 (11-bit) weight, so it rounds away and the teacher stops moving (measured on the quickstart: 0.009 of
-the 32-true distance at m = 0.9995). The student's AdamW steps at the end of the cosine learning rate round
+float16 (11-bit) weight, so it rounds away and the teacher stops moving (issue 35 measured 0.009 of the 32-true
+distance on the quickstart at m = 0.9995). The student's AdamW steps at the end of the cosine learning rate round
 away the same way. Float32 master copies would fix that, but they are what ``bf16-mixed`` already is (DINOv2
 keeps float32 parameters and computes in bfloat16 through FSDP's mixed precision): a "true" run with float32
 masters would not be what a Lightning user asked for, and would not save the memory "true" is chosen for.
