@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.dino.checkpointing import last_checkpoint
 from ssl_xcit.dino.optim import build_optimizer, get_params_groups
+from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
 from ssl_xcit.dino.step_checks import diverged
 from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
@@ -69,6 +70,8 @@ class DINOLifecycle(LightningModule):
             self._compiled = True
 
     def setup(self, stage: str) -> None:
+        if stage == "fit":  # bf16-true and 16-true freeze the teacher (``ssl_xcit.dino.precision``)
+            check_precision(self.trainer.precision)
         # Every checkpoint goes through an atomic write, however the Trainer was configured.
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 

@@ -35,7 +35,7 @@ from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.init_from import check_init_settings, drop_backbone_gradients, head_warmup_steps
 from ssl_xcit.dino.lifecycle import DINOLifecycle
-from ssl_xcit.dino.loss import DINOLoss
+from ssl_xcit.dino.loss import DINOLoss, TeacherTargets
 from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
 from ssl_xcit.dino.optim import (
     cancel_gradients_last_layer,
@@ -224,6 +224,10 @@ class DINO(DINOLifecycle):
                 center_momentum=center_momentum,
                 centering=centering,
             )
+        # The centres move once per optimiser step (``_optimizer_step``), like every schedule: accumulated
+        # micro-batches move them as one step over their concatenation would.
+        for targets in self._teacher_targets():
+            targets.defer_center = True
         self.mask_sampler = MaskSampler(tuple(mask_ratio_min_max), mask_probability) if self.ibot else None
         self.ibot_out_dim = ibot_out_dim
         self.ibot_weight_now = float(ibot_loss_weight)  # this step's weight, from the schedule while training
@@ -342,9 +346,15 @@ class DINO(DINOLifecycle):
             return contextlib.nullcontext()
         return strategy.block_backward_sync()
 
+    def _teacher_targets(self) -> list[TeacherTargets]:
+        return [self.dino_loss, *([self.ibot_loss] if self.ibot else [])]
+
     def _optimizer_step(self, opt: Any, momentum: float) -> None:
-        """Step (-> ``on_before_optimizer_step``: clipping, last-layer freeze), clear, EMA. Nothing happens
-        when the window has no gradients (all its batches were skipped)."""
+        """The window's centre moves, then step (-> ``on_before_optimizer_step``: clipping, last-layer
+        freeze), clear, EMA. Neither step nor EMA when the window has no gradients (all its batches were
+        skipped)."""
+        for targets in self._teacher_targets():
+            targets.apply_center()
         if all(p.grad is None for p in self.student.parameters()):
             return
         opt.step()
