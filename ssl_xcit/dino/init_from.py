@@ -95,12 +95,15 @@ def weights_from_checkpoint(checkpoint: Mapping[str, Any], label: str) -> InitWe
     """Sort a loaded checkpoint into :class:`InitWeights` (see the module docstring for the layouts)."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
     if _is_tensor_dict(state) and any(k.startswith("student.backbone.") for k in state):  # ours (Lightning)
+        # A distillation checkpoint (ssl_xcit.dino.distill) saves no teacher: its student stands for both.
+        has_teacher = any(k.startswith("teacher.") for k in state)
         sides = {
             side: _wrapper_parts(
                 {k[len(side) + 1 :]: v for k, v in state.items() if k.startswith(side + ".")}
             )
-            for side in ("student", "teacher")
+            for side in ("student", "teacher" if has_teacher else "student")
         }
+        sides.setdefault("teacher", sides["student"])
         centres = {k: v for k, v in state.items() if k in _CENTRES}
         return InitWeights(label, sides["student"], sides["teacher"], centres)
     if all(_is_tensor_dict(checkpoint.get(side)) for side in ("student", "teacher")):  # official DINO full
@@ -113,44 +116,49 @@ def weights_from_checkpoint(checkpoint: Mapping[str, Any], label: str) -> InitWe
     return InitWeights(label, dict(parts), dict(parts))
 
 
-def timm_weights(spec: str) -> InitWeights:
-    """``NAME`` or ``NAME@FILE`` (``timm:`` removed): timm builds NAME headless (``num_classes=0``) and loads
-    its pretrained weights, from FILE when given (timm's ``pretrained_cfg_overlay``), else from timm's hub."""
+def timm_model(spec: str, option: str = "--model.init_from", **kwargs: Any) -> nn.Module:
+    """``NAME`` or ``NAME@FILE`` (``timm:`` removed): timm's model NAME with its pretrained weights, from FILE
+    when given (timm's ``pretrained_cfg_overlay``), else from timm's hub; ``kwargs`` go to
+    ``timm.create_model``. ``option`` names the setting in the one-line errors."""
     import timm
 
     name, _, file = spec.partition("@")
     arch, _, tag = name.partition(".")
-    label = TIMM_PREFIX + spec
+    label = f"{option} {TIMM_PREFIX}{spec}"
     if not timm.is_model(arch):
         close = difflib.get_close_matches(name, timm.list_pretrained(), n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise UserError(f"--model.init_from {label}: timm has no model {arch!r}{hint}")
+        raise UserError(f"{label}: timm has no model {arch!r}{hint}")
     released = timm.list_pretrained(arch + ".*")
     if not released:  # timm would build it with random weights and a warning
-        raise UserError(f"--model.init_from {label}: timm has no pretrained weights for {arch}")
+        raise UserError(f"{label}: timm has no pretrained weights for {arch}")
     if tag and name not in released:
         raise UserError(
-            f"--model.init_from {label}: timm has no weights {name!r}; its weights for {arch}: "
-            + ", ".join(released)
+            f"{label}: timm has no weights {name!r}; its weights for {arch}: " + ", ".join(released)
         )
     if file and not Path(file).is_file():
-        raise UserError(f"--model.init_from {label}: weights file not found: {file}")
+        raise UserError(f"{label}: weights file not found: {file}")
     overlay = {"file": file} if file else None
     try:
-        model = timm.create_model(name, pretrained=True, num_classes=0, pretrained_cfg_overlay=overlay)
+        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
     except RuntimeError as error:  # timm's strict load: the file holds another network
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(
-            f"--model.init_from {label}: the weights do not fit timm's {arch}: {first}"
-        ) from error
+        raise UserError(f"{label}: the weights do not fit timm's {arch}: {first}") from error
+    except TypeError:
+        raise  # a keyword the model does not take: the caller's to handle
     except Exception as error:  # noqa: BLE001 - a download refused or impossible (no network, no hub access)
         raise UserError(
-            f"--model.init_from {label}: timm could not fetch the weights ({type(error).__name__}: "
+            f"{label}: timm could not fetch the weights ({type(error).__name__}: "
             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); without a network, download "
             f"them elsewhere and pass timm:{name}@FILE"
         ) from error
-    parts = {"backbone": model.state_dict()}
-    return InitWeights(label, parts, dict(parts))
+
+
+def timm_weights(spec: str) -> InitWeights:
+    """``NAME`` or ``NAME@FILE`` (``timm:`` removed): timm's NAME built headless (``num_classes=0``) with its
+    pretrained weights (:func:`timm_model`)."""
+    parts = {"backbone": timm_model(spec, num_classes=0).state_dict()}
+    return InitWeights(TIMM_PREFIX + spec, parts, dict(parts))
 
 
 def read_source(source: str) -> InitWeights:

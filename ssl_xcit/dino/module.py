@@ -298,7 +298,8 @@ class DINO(DINOLifecycle):
             self._optimizer_step(opt, momentum)
         log_losses(self, "train", out)
         log_host_scalars(self, lr, wd, momentum)
-        self.signal_tensors["dino"] = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
+        if out.dino is not None:
+            self.signal_tensors["dino"] = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
         if out.ibot is not None:
             self.signal_tensors["ibot"] = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
         self._steps_since_read += 1

@@ -49,10 +49,11 @@ class StepLosses(NamedTuple):
     """One step's losses: ``total`` = DINO + koleo_weight x KoLeo + ibot_loss_weight x iBOT (device tensors)."""
 
     total: torch.Tensor
-    dino: DINOLossOutput
+    dino: DINOLossOutput | None  # None for an objective without a teacher distribution (feature distillation)
     koleo: torch.Tensor | None  # None when KoLeo is off
     ibot: DINOLossOutput | None  # None when iBOT is off
     batch_size: int
+    terms: Mapping[str, torch.Tensor] | None = None  # further named terms, logged as <stage>/<name>
 
 
 def compute_losses(
@@ -104,8 +105,11 @@ def log_losses(module: LightningModule, stage: str, out: StepLosses) -> None:
     train = stage == "train"
     kw = dict(on_step=train, on_epoch=not train, sync_dist=not train, batch_size=out.batch_size)
     module.log(f"{stage}/loss", out.total.detach(), prog_bar=not train, **{**kw, "on_epoch": True})
-    module.log(f"{stage}/teacher_entropy", out.dino.teacher_entropy, **kw)
-    module.log(f"{stage}/kl_to_uniform", out.dino.kl_to_uniform, **kw)
+    if out.dino is not None:
+        module.log(f"{stage}/teacher_entropy", out.dino.teacher_entropy, **kw)
+        module.log(f"{stage}/kl_to_uniform", out.dino.kl_to_uniform, **kw)
+    for name, value in (out.terms or {}).items():
+        module.log(f"{stage}/{name}", value.detach(), **kw)
     if out.koleo is not None:
         module.log(f"{stage}/koleo", out.koleo.detach(), **kw)
     if out.ibot is not None:
