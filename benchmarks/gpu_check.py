@@ -1,8 +1,10 @@
 """One GPU check, one command: ``bash benchmarks/gpu_check.sh`` (this script does the work), one table.
 
-Rows: the quickstart (``ssl-xcit fit -c recipes/quickstart.yaml``, short) in 16-mixed, bf16-mixed and
-bf16-true; compile on and off; iBOT on and off (and both on: compile must cover the masked pass);
-``augment_on`` cpu and device; host syncs per step (``sync_count.py``); the throughput benchmark; with 2 or
+Rows: the quickstart (``ssl-xcit fit -c recipes/quickstart.yaml``, short) in 16-mixed and bf16-mixed;
+bf16-true's teacher movement against 32-true's (DINO refuses bf16-true: the row passes on the refusal);
+KoLeo's neighbours under bf16 autocast against float64's; compile on and off; iBOT on and off (and both on:
+compile must cover the masked pass); ``augment_on`` cpu and device; host syncs per step (``sync_count.py``),
+with the recipe's progress bar off and on; the throughput benchmark; with 2 or
 more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``). Rows with
 the same settings share one run. A row passes when its run ends with the steps asked for and finite weights
 and loss (and its own condition where it has one). Exit status 1 when any row fails.
@@ -124,8 +126,8 @@ class Check:
 
 
 def precision_rows(check: Check) -> list[Row]:
-    rows = []
-    for precision in ("16-mixed", "bf16-mixed", "bf16-true", *(("32-true",) if check.dry else ())):
+    rows = []  # bf16-true is refused by DINO: its row is teacher_row's
+    for precision in ("16-mixed", "bf16-mixed", *(("32-true",) if check.dry else ())):
         rows.append(_named(check.fit(f"--trainer.precision={precision}"), "quickstart", precision))
     return rows
 
@@ -146,9 +148,23 @@ def _named(row: Row, name: str, setting: str) -> Row:
     return Row(name, setting, row.result, row.status)
 
 
-def sync_row(check: Check) -> Row:
+def _recipe_progress_bar():
+    """The progress bar the quickstart recipe names (its ``callbacks`` entry), made with its arguments."""
+    import importlib
+
+    import yaml
+
+    for entry in yaml.safe_load(RECIPE.read_text())["trainer"]["callbacks"]:
+        if "ProgressBar" in entry["class_path"]:
+            module, name = entry["class_path"].rsplit(".", 1)
+            return getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))
+    raise ValueError(f"{RECIPE.name} names no progress bar")
+
+
+def sync_row(check: Check, progress_bar: bool = False) -> Row:
     """Host syncs per step of the quickstart's model and data, after 2 warm-up steps. Passes when at most one
-    step in ``k`` syncs, ``k`` being the logging interval (and ``sync_every_n_steps`` where DINO has it)."""
+    step in ``k`` syncs, ``k`` being the logging interval (and ``sync_every_n_steps`` where DINO has it). With
+    ``progress_bar``, the recipe's bar is on (the other row turns it off, as the throughput benchmark does)."""
     import lightning as L
     import yaml
     from lightning.pytorch.loggers import CSVLogger
@@ -165,17 +181,22 @@ def sync_row(check: Check) -> Row:
         data_kw = {**data_kw, "root": str(check.tmp / "images"), "batch_size": 4, "num_workers": 0,
                    "persistent_workers": False, "global_crops_size": 32, "local_crops_size": 16}  # fmt: skip
     setting = f"after 2 steps, {measured} steps, logging every {k}"
+    bar = _recipe_progress_bar() if progress_bar else None
     if "sync_every_n_steps" in inspect.signature(DINO).parameters:  # only where the module has the setting
         model_kw = {**model_kw, "sync_every_n_steps": k}
         setting += f", sync_every_n_steps {k}"
+    if bar is not None:
+        setting += f", {type(bar).__name__}"
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator=check.accelerator, devices=1, precision=check.base_precision, max_epochs=1,
         limit_train_batches=2 + measured + 1, limit_val_batches=0, num_sanity_val_steps=0,
         logger=CSVLogger(check.tmp / "sync_logs"), log_every_n_steps=k, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[counter],
+        enable_progress_bar=bar is not None, enable_model_summary=False,
+        callbacks=[counter] if bar is None else [counter, bar],
     )  # fmt: skip
     trainer.fit(DINO(**{**model_kw, "collapse_guard": "off"}), DINODataModule(**data_kw))
+    name = "host syncs per step" + (" (progress bar on)" if bar is not None else "")
     steps = counter.per_step[:measured]
     syncing = sum(n > 0 for n in steps)
     allowed = math.ceil(len(steps) / k)
@@ -185,9 +206,107 @@ def sync_row(check: Check) -> Row:
     if check.dry:  # nothing waits on a CPU: the proxy's count includes host-side tensors, an upper bound only
         per_step = sum(steps) / max(len(steps), 1)
         result = f"n/a on a CPU (CPU proxy, host-side tensors included: {per_step:.0f} per step)"
-        return Row("host syncs per step", setting, result, "skip" if len(steps) == measured else "fail")
+        return Row(name, setting, result, "skip" if len(steps) == measured else "fail")
     ok = len(steps) == measured and syncing <= allowed
-    return Row("host syncs per step", setting, result, "pass" if ok else "fail")
+    return Row(name, setting, result, "pass" if ok else "fail")
+
+
+def _quickstart_kwargs(check: Check) -> tuple[dict, dict]:
+    """The quickstart recipe's DINO and data arguments (shrunk as in ``Check`` for the dry run)."""
+    import yaml
+
+    recipe = yaml.safe_load(RECIPE.read_text())
+    model_kw, data_kw = recipe["model"]["init_args"], {**recipe["data"]["init_args"], "augment_on": "device"}
+    if check.dry:
+        model_kw = {**model_kw, "backbone_kwargs": {"depth": 1}, "out_dim": 64, "warmup_epochs": 0}
+        data_kw = {**data_kw, "root": str(check.tmp / "images"), "batch_size": 4, "num_workers": 0,
+                   "persistent_workers": False, "global_crops_size": 32, "local_crops_size": 16}  # fmt: skip
+    return model_kw, data_kw
+
+
+def _teacher_distance(check: Check, precision: str, steps: int) -> float:
+    """How far the teacher's parameters move (L2 over all of them) in ``steps`` steps of the quickstart's
+    model at teacher momentum 0.9995 (where a DINO run spends its end), in ``precision``."""
+    import lightning as L
+
+    from ssl_xcit.data.datamodule import DINODataModule
+    from ssl_xcit.dino.module import DINO
+
+    model_kw, data_kw = _quickstart_kwargs(check)
+    L.seed_everything(0, verbose=False)
+    model = DINO(**{**model_kw, "momentum_teacher": 0.9995, "collapse_guard": "off"})
+    before: list[torch.Tensor] = []
+
+    class Start(L.Callback):  # after the precision plugin has cast the weights
+        def on_train_start(self, trainer, pl_module):
+            before.extend(p.detach().float().clone() for p in pl_module.teacher.parameters())
+
+    trainer = L.Trainer(
+        accelerator=check.accelerator, devices=1, precision=precision, max_epochs=1, limit_train_batches=steps,
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Start()],
+    )  # fmt: skip
+    trainer.fit(model, DINODataModule(**data_kw))
+    if trainer.global_step != steps:
+        raise RuntimeError(f"{precision} ran {trainer.global_step} of {steps} steps")
+    after = [p.detach().float() for p in model.teacher.parameters()]
+    return math.sqrt(sum(float((a - b).pow(2).sum()) for a, b in zip(after, before, strict=True)))
+
+
+def teacher_row(check: Check) -> Row:
+    """Teacher movement in bf16-true against 32-true. DINO refuses bf16-true (its EMA update rounds away in
+    bfloat16 weights: ``ssl_xcit.dino.precision``), and the row passes on that one-line refusal; should
+    bf16-true ever train, it passes when its teacher moves at least half as far as in 32-true."""
+    from ssl_xcit.errors import UserError
+
+    steps = 2 if check.dry else 8
+    setting = f"quickstart, momentum 0.9995, {steps} steps; pass: refused, or ratio >= 0.5"
+    try:
+        moved = _teacher_distance(check, "bf16-true", steps)
+    except UserError as err:
+        refused = "bf16-mixed" in str(err)
+        return Row(
+            "teacher in bf16-true",
+            setting,
+            "refused: " + str(err).split("; ")[-1],
+            "pass" if refused else "fail",
+        )
+    ratio = moved / max(_teacher_distance(check, "32-true", steps), 1e-30)
+    return Row(
+        "teacher in bf16-true",
+        setting,
+        f"moves {ratio:.3f} x 32-true's distance",
+        "pass" if ratio >= 0.5 else "fail",
+    )
+
+
+def koleo_row(check: Check) -> Row:
+    """KoLeo's nearest neighbours under bf16 autocast (and TF32 float32 matmuls) against float64 ones, on a
+    near-collapsed batch (the regime KoLeo exists for), where bf16 products tie."""
+    import torch.nn.functional as F
+
+    from ssl_xcit.dino.koleo import koleo_loss, nearest_neighbours
+
+    device = torch.device(check.accelerator)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 384, generator=g) + 0.01 * torch.randn(64, 384, generator=g)
+    unit = F.normalize(x, dim=1)
+    exact = (unit.double() @ unit.double().T).fill_diagonal_(-2.0).argmax(1)
+    naive = (unit.bfloat16() @ unit.bfloat16().T).float().fill_diagonal_(-2.0).argmax(1)  # what autocast made
+    reference = float(koleo_loss(x))
+    matmul = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 products where the GPU has them
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            nearest = nearest_neighbours(F.normalize(x.to(device), dim=1)).cpu()
+            loss = float(koleo_loss(x.to(device)))
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+    same = int((nearest == exact).sum())
+    ok = same == len(exact) and abs(loss - reference) <= 1e-4 * abs(reference)
+    setting = "64 x 384, every cosine > 0.999; bf16 autocast, TF32 matmuls"
+    result = f"{same}/64 neighbours exact (bf16 products: {int((naive == exact).sum())}/64); loss {loss:.4f} vs {reference:.4f}"
+    return Row("koleo under bf16-mixed", setting, result, "pass" if ok else "fail")
 
 
 def throughput_row(check: Check) -> Row:
@@ -265,7 +384,8 @@ SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
     "compile": lambda c: option_rows(c, "compile"),
     "ibot": lambda c: option_rows(c, "ibot"),
     "augment": lambda c: option_rows(c, "augment_on"),
-    "sync": lambda c: [sync_row(c)],
+    "numerics": lambda c: [teacher_row(c), koleo_row(c)],
+    "sync": lambda c: [sync_row(c), sync_row(c, progress_bar=True)],
     "throughput": lambda c: [throughput_row(c)],
     "ddp": lambda c: [ddp_row(c)],
 }

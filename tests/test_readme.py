@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import timm
+from safetensors.torch import save_file
 
 from ssl_xcit.cli import main as cli_main
 from ssl_xcit.data import datamodule as dm_module
@@ -58,8 +60,13 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^bash benchmarks/gpu_check\.sh$", "needs a CUDA GPU; its --dry-run form is tested in tests/benchmarks"),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO, *_SHALLOW, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO, *_SHALLOW]),
+    (r"^ssl-xcit fit -c recipes/quickstart\.yaml --model\.init_from teacher\.safetensors$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/init_from"]),
+    # timm's 12 blocks (the page clears the depth cut), read from the local file _workspace writes for the name
+    (r"^ssl-xcit fit -c recipes/quickstart\.yaml --model\.init_from timm:\S+ --model\.backbone_kwargs \{\}$", [*_TRAIN, *_DINO, "--run_dir", "runs/init_from_timm"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/device_augment"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device --data\.decode_on device$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/device_decode"]),
+    # the student cut to one block; a timm teacher keeps its depth (read from the local file _workspace writes)
+    (r"^ssl-xcit fit -c recipes/distill\.yaml ", [*_TRAIN, *_DINO, *_SHALLOW]),
     (r"^ssl-xcit prepare /data/imagenet/(train|val) /data/imagenet(-val)?-shards --workers 32$", ["--workers", "2", "--no-progress"]),
     (r"^ssl-xcit prepare \S+ s3://", ["--workers", "2", "--no-progress"]),  # to the S3 server of tests/conftest.py
     (r"^ssl-xcit fit -c recipes/dino_xcit_s12_16\.yaml --data\.root /data/imagenet-shards .* --ckpt_path last$",
@@ -173,10 +180,21 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
     gnd = {"imlist": [f"img{i}" for i in range(1, 6)], "qimlist": ["img0"],
            "gnd": [{"bbx": [0.0, 0.0, 200.0, 200.0], "easy": [0], "hard": [1], "junk": [2]}]}  # fmt: skip
     (oxford / "gnd_roxford5k.pkl").write_bytes(pickle.dumps(gnd))
+    # timm's ImageNet XCiT-N12/8 as its hub stores it (random values: this machine has no network)
+    save_file(
+        timm.create_model("xcit_nano_12_p8_224", num_classes=1000).state_dict(),
+        root / "xcit_nano.safetensors",
+    )
+    save_file(  # timm's DINO ViT-S/16, the teacher of docs/training.md's distillation (random values, as above)
+        timm.create_model("vit_small_patch16_224", num_classes=0).state_dict(),
+        root / "vit_small_dino.safetensors",
+    )
     d = root / "D"
     return {
         "/data/imagenet/train": f"{d}/train", "/data/imagenet/val": f"{d}/val", "imagenet/train": f"{d}/train",
         "imagenet/val": f"{d}/val", "D/train": f"{d}/train", "D/val": f"{d}/val", "my_photos/": f"{d}/train",
+        "timm:xcit_nano_12_p8_224.fb_in1k": f"timm:xcit_nano_12_p8_224.fb_in1k@{root / 'xcit_nano.safetensors'}",
+        "timm:vit_small_patch16_224.dino": f"timm:vit_small_patch16_224.dino@{root / 'vit_small_dino.safetensors'}",
         "W": "teacher.safetensors", "data/roxford5k": str(oxford), "data/holidays": str(shared / "retrieval_mini" / "holidays"),
         "data/train_imgs": str(root / "train_imgs.txt"),
         "/data/imagenet-shards": str(root / "imagenet-shards"), "/data/imagenet-val-shards": str(root / "imagenet-val-shards"),

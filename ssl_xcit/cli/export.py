@@ -22,15 +22,19 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.utils.io import atomic_torch_save, owner_only
 
 TEACHER_PREFIX = "teacher.backbone."
+STUDENT_PREFIX = "student.backbone."
 
 
 def teacher_backbone_state(checkpoint: dict[str, Any], source: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """``teacher.backbone.*`` of a Lightning DINO checkpoint, prefix removed."""
+    """``teacher.backbone.*`` of a Lightning DINO checkpoint, prefix removed; ``student.backbone.*`` for a
+    distillation checkpoint (``ssl_xcit.dino.distill``), which saves no teacher: its frozen teacher is an input,
+    the student the product."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         keys = list(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise UserError(f"{source} is not a Lightning checkpoint (no 'state_dict'); top-level keys: {keys}")
-    out = {k[len(TEACHER_PREFIX) :]: v for k, v in state.items() if k.startswith(TEACHER_PREFIX)}
+    prefix = TEACHER_PREFIX if any(k.startswith("teacher.") for k in state) else STUDENT_PREFIX
+    out = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not out:
         prefixes = sorted({k.split(".")[0] for k in state})
         raise UserError(
@@ -137,5 +141,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
         path, name, detail = _export(args.checkpoint, args.out, fmt, args.resolution, args.fixed_resolution)
     except (FileNotFoundError, UserError) as err:
         parser.exit(2, f"ssl-xcit export: error: {err}\n")
-    print(f"exported the teacher backbone ({name}) of {args.checkpoint} to {path} ({fmt}{detail})")
+    print(f"exported the backbone ({name}) of {args.checkpoint} to {path} ({fmt}{detail})")
     return {"out": str(path), "model": name, "format": fmt}

@@ -104,8 +104,8 @@ class SSLXCiTCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._announce()
-        if type(self.model).__name__ == "LinearProbe":
-            # Its backbone is frozen in eval mode on purpose; the notice is kept for every other model (a DINO
+        if type(self.model).__name__ in ("LinearProbe", "Distill"):
+            # Its backbone (a distillation's teacher) is frozen in eval mode on purpose; the notice is kept for every other model (a DINO
             # student or teacher in eval mode at the start of training is a real problem).
             warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
         if self.resuming:  # the resumed run's own folder: its checkpoints are meant to be there
@@ -157,7 +157,8 @@ def fit_summary(trainer: Any, run_dir: Path | None) -> str:
             f"epoch {final['epoch']}, step {final['step']})"
         )
     if last is not None:
-        weights = Path(run_dir or last.parent.parent) / "teacher.safetensors"
+        network = getattr(trainer.lightning_module, "evaluated_network", "teacher")  # a distillation: student
+        weights = Path(run_dir or last.parent.parent) / f"{network}.safetensors"
         lines.append(
             f"next: ssl-xcit export {shlex.quote(str(last))} {shlex.quote(str(weights))}\n"
             f"      ssl-xcit knn --weights {shlex.quote(str(weights))} --train DIR --val DIR"

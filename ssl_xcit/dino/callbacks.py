@@ -165,7 +165,8 @@ class OnlineKNN(Callback):
         if self.max_train_samples and len(train) > self.max_train_samples:
             step = len(train) / self.max_train_samples
             train = torch.utils.data.Subset(train, [int(i * step) for i in range(self.max_train_samples)])
-        backbone = pl_module.teacher.backbone
+        network = getattr(pl_module, "evaluated_network", "teacher")  # a distillation run judges its student
+        backbone = getattr(pl_module, network).backbone
         train_f, train_y = self._features(backbone, train, pl_module.device, trainer)
         val_f, val_y = self._features(backbone, val, pl_module.device, trainer)
         scores = weighted_knn(train_f, train_y, val_f, ks=(self.k,), temperature=self.temperature)[self.k]
@@ -175,7 +176,7 @@ class OnlineKNN(Callback):
         step = getattr(pl_module, "trained_step", trainer.global_step)
         self.history.append({"epoch": epoch, "step": step, "top1": top1})
         rank_zero_info(
-            f"online k-NN (teacher, k={self.k}, T={self.temperature:g}) epoch {epoch} "
+            f"online k-NN ({network}, k={self.k}, T={self.temperature:g}) epoch {epoch} "
             f"step {step}: top-1 {top1:.2f}% on {len(val_y)} val images"
         )
         return top1

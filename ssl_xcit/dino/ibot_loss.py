@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ssl_xcit.dino.ibot import MaskedPatches
 from ssl_xcit.dino.loss import DINOLossOutput, TeacherTargets
+from ssl_xcit.dino.precision import float32_math
 
 
 class iBOTPatchLoss(TeacherTargets):  # noqa: N801 (the method's name)
@@ -47,12 +48,14 @@ class iBOTPatchLoss(TeacherTargets):  # noqa: N801 (the method's name)
                 f"iBOT got {student_patch_logits.shape[0]} student and {teacher_patch_logits.shape[0]} teacher "
                 f"patch outputs for {masks.count} masked patches"
             )
-        student = student_patch_logits.float()
-        teacher = teacher_patch_logits.float()
-        targets = self.targets(teacher, epoch)
-        per_patch = torch.sum(-targets * F.log_softmax(student / self.student_temp, dim=-1), dim=-1)
-        loss = (per_patch * masks.weights).sum() / max(masks.n_images, 1)
-        entropy, kl = self.collapse_signals(targets)
-        if update_center and self.centering == "ema":
-            self.update_center(teacher)
+        # Float32 with autocast off, as the DINO term (``DINOLoss._loss``).
+        with float32_math(student_patch_logits.device):
+            student = student_patch_logits.float()
+            teacher = teacher_patch_logits.float()
+            targets = self.targets(teacher, epoch)
+            per_patch = torch.sum(-targets * F.log_softmax(student / self.student_temp, dim=-1), dim=-1)
+            loss = (per_patch * masks.weights).sum() / max(masks.n_images, 1)
+            entropy, kl = self.collapse_signals(targets)
+            if update_center and self.centering == "ema":
+                self.update_center(teacher)
         return DINOLossOutput(loss, entropy, kl)

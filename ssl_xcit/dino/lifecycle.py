@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ssl_xcit.dino.checkpointing import last_checkpoint
 from ssl_xcit.dino.gram import adapt_checkpoint_state
 from ssl_xcit.dino.optim import build_optimizer, get_params_groups
+from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
 from ssl_xcit.dino.step_checks import diverged
 from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
@@ -33,6 +34,12 @@ class DINOLifecycle(LightningModule):
         otherwise train the student without drop path and give eval-mode BatchNorm targets for the whole run."""
         self.student.train(True)
         self.teacher.train(True)
+
+    def on_fit_start(self) -> None:
+        # After a resumed run's checkpoint is restored: --model.init_from loads into fresh runs only.
+        from ssl_xcit.dino.init_from import start_from_source
+
+        start_from_source(self)
 
     def on_train_start(self) -> None:
         self._set_training_modes()
@@ -64,6 +71,8 @@ class DINOLifecycle(LightningModule):
             self._compiled = True
 
     def setup(self, stage: str) -> None:
+        if stage == "fit":  # bf16-true and 16-true freeze the teacher (``ssl_xcit.dino.precision``)
+            check_precision(self.trainer.precision)
         # Every checkpoint goes through an atomic write, however the Trainer was configured.
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -106,6 +115,8 @@ class DINOLifecycle(LightningModule):
         if self._trainer is None or not self._finite.pending:
             return
         found = self._finite.read(self.trainer.strategy.all_gather)
+        if self._finite.last_loss is not None:
+            self.progress_values["train/loss"] = self._finite.last_loss
         if found is None:
             return
         raise diverged(
@@ -134,11 +145,14 @@ class DINOLifecycle(LightningModule):
         self._read_finite()
         # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one.
         checkpoint["rng_states"] = capture_rng_states()
+        if self.init_state is not None:  # a resumed run keeps its head-only warm-up, without reading SOURCE
+            checkpoint["init_from"] = dict(self.init_state)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
         # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
         self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
         restore_rng_states(checkpoint.get("rng_states"))
+        self.init_state = checkpoint.get("init_from")
         if "state_dict" in checkpoint:  # Gram anchoring switched on or off at resume (ssl_xcit.dino.gram)
             adapt_checkpoint_state(checkpoint["state_dict"], getattr(self, "gram_teacher", None))

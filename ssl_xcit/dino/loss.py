@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ssl_xcit.dino.precision import float32_math
 from ssl_xcit.dino.schedules import teacher_temperature
 from ssl_xcit.errors import UserError
 
@@ -67,6 +68,10 @@ class TeacherTargets(nn.Module):
         self.center_momentum = center_momentum
         # A buffer, so it is saved in (and restored from) checkpoints and moved with the module.
         self.register_buffer("center", torch.zeros(1, out_dim))
+        # Set by a caller that steps the centre itself (DINO, once per optimiser step: ``apply_center``).
+        self.defer_center = False
+        # (sum of the teacher rows, their count) since the centre last moved, float32 on the device.
+        self._window: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def teacher_temp_at(self, epoch: int) -> float:
         return teacher_temperature(
@@ -93,8 +98,30 @@ class TeacherTargets(nn.Module):
 
     @torch.no_grad()
     def update_center(self, teacher_output: torch.Tensor) -> None:
-        """EMA of the mean teacher logit over the global batch (all processes)."""
-        ema_center_(self.center, teacher_output, self.center_momentum)
+        """Adds the teacher rows to the window of the centre's next move, and makes that move now (an EMA step
+        towards the window's mean row over all processes) unless ``defer_center``."""
+        rows = teacher_output.detach().float()
+        # dtype given: a fill takes the default dtype, which a precision plugin may have made a half one.
+        count = torch.full((1,), float(rows.shape[0]), device=rows.device, dtype=torch.float32)
+        row_sum = rows.sum(dim=0, keepdim=True)
+        if self._window is None:
+            self._window = (row_sum, count)
+        else:
+            self._window[0].add_(row_sum)
+            self._window[1].add_(count)
+        if not self.defer_center:
+            self.apply_center()
+
+    @torch.no_grad()
+    def apply_center(self) -> None:
+        """One EMA step of the centre towards the mean teacher row of the window (every batch since the last
+        step, all processes), so k accumulated micro-batches move it as one step over their concatenation does.
+        Nothing without a window; the processes agree on that (they skip batches together)."""
+        if self._window is None:
+            return
+        row_sum, count = self._window
+        self._window = None
+        ema_center_from_sums_(self.center, row_sum, count, self.center_momentum)
 
 
 class DINOLoss(TeacherTargets):
@@ -133,9 +160,20 @@ class DINOLoss(TeacherTargets):
             )
         n_views = student_output.shape[0] // batch
 
-        # Losses in fp32 even under autocast: log-softmax over 65536 prototypes in fp16 loses the tail.
-        student_output = student_output.float()
-        teacher_output = teacher_output.float()
+        with float32_math(student_output.device):
+            return self._loss(student_output.float(), teacher_output.float(), n_views, epoch, update_center)
+
+    def _loss(
+        self,
+        student_output: torch.Tensor,
+        teacher_output: torch.Tensor,
+        n_views: int,
+        epoch: int,
+        update: bool,
+    ) -> DINOLossOutput:
+        # Float32 with autocast off (``forward``), as DINOv2: log-softmax over 65536 prototypes in half
+        # precision loses the tail, and autocast would run any product written here in half precision.
+        n_global = self.num_global_crops
         student_logp = F.log_softmax(student_output / self.student_temp, dim=-1).chunk(n_views)
         teacher_probs = self.targets(teacher_output, epoch)
 
@@ -150,7 +188,7 @@ class DINOLoss(TeacherTargets):
         loss = total / n_terms
 
         entropy, kl_uniform = self.collapse_signals(teacher_probs)
-        if update_center and self.centering == "ema":
+        if update and self.centering == "ema":
             self.update_center(teacher_output)
         return DINOLossOutput(loss, entropy, kl_uniform)
 
@@ -159,15 +197,25 @@ class DINOLoss(TeacherTargets):
 def ema_center_(center: torch.Tensor, teacher_output: torch.Tensor, momentum: float) -> None:
     """``center`` <- momentum * center + (1 - momentum) * mean row of ``teacher_output`` over all processes.
     A process with no rows still takes part in the all-reduce (it adds nothing)."""
-    batch_center = teacher_output.float().sum(dim=0, keepdim=True)
     # torch.full, not torch.tensor([...], device=...): a fill kernel is queued, a host-to-device copy of a
     # Python list waits for the GPU queue to drain.
-    count = torch.full((1,), float(teacher_output.shape[0]), device=teacher_output.device)
+    count = torch.full(
+        (1,), float(teacher_output.shape[0]), device=teacher_output.device, dtype=torch.float32
+    )
+    ema_center_from_sums_(center, teacher_output.float().sum(dim=0, keepdim=True), count, momentum)
+
+
+@torch.no_grad()
+def ema_center_from_sums_(
+    center: torch.Tensor, row_sum: torch.Tensor, count: torch.Tensor, momentum: float
+) -> None:
+    """``center`` <- momentum * center + (1 - momentum) * (``row_sum`` / ``count``), both summed over all
+    processes first (in place: the caller's window is spent)."""
     if _dist_ready():
         # Sum the counts too, so ranks with unequal last batches still give the exact global mean.
-        dist.all_reduce(batch_center)
+        dist.all_reduce(row_sum)
         dist.all_reduce(count)
-    updated = center * momentum + (batch_center / count.clamp_min(1)) * (1 - momentum)
+    updated = center * momentum + (row_sum / count.clamp_min(1)) * (1 - momentum)
     # torch.where, not an `if` on the count: no host sync per step on an accelerator.
     center.copy_(torch.where(count > 0, updated, center))
 

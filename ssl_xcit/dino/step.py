@@ -50,10 +50,11 @@ class StepLosses(NamedTuple):
     """One step's losses: ``total`` = DINO + koleo_weight x KoLeo + ibot_loss_weight x iBOT (device tensors)."""
 
     total: torch.Tensor
-    dino: DINOLossOutput
+    dino: DINOLossOutput | None  # None for an objective without a teacher distribution (feature distillation)
     koleo: torch.Tensor | None  # None when KoLeo is off
     ibot: DINOLossOutput | None  # None when iBOT is off
     batch_size: int
+    terms: Mapping[str, torch.Tensor] | None = None  # further named terms, logged as <stage>/<name>
     gram: torch.Tensor | None = None  # None when Gram anchoring is off at this step
 
 
@@ -107,16 +108,21 @@ def compute_losses(
     gram = gram_term(model, crops[:NUM_GLOBAL_CROPS], student_patches)
     if gram is not None:
         total = total + model.gram_weight_now * gram
-    return StepLosses(total, dino, koleo, patch, batch_size, gram)
+    return StepLosses(total, dino, koleo, patch, batch_size, gram=gram)
 
 
 def log_losses(module: LightningModule, stage: str, out: StepLosses) -> None:
-    """The step's losses and collapse signals: device tensors, which Lightning reads when it writes."""
+    """The step's losses and collapse signals: device tensors, which Lightning reads when it writes. The
+    training loss stays off Lightning's progress bar, whose values Lightning reads on every batch; DINO's bar
+    (``ssl_xcit.dino.progress``) shows the value read every ``sync_every_n_steps`` steps instead."""
     train = stage == "train"
     kw = dict(on_step=train, on_epoch=not train, sync_dist=not train, batch_size=out.batch_size)
-    module.log(f"{stage}/loss", out.total.detach(), prog_bar=True, **{**kw, "on_epoch": True})
-    module.log(f"{stage}/teacher_entropy", out.dino.teacher_entropy, **kw)
-    module.log(f"{stage}/kl_to_uniform", out.dino.kl_to_uniform, **kw)
+    module.log(f"{stage}/loss", out.total.detach(), prog_bar=not train, **{**kw, "on_epoch": True})
+    if out.dino is not None:
+        module.log(f"{stage}/teacher_entropy", out.dino.teacher_entropy, **kw)
+        module.log(f"{stage}/kl_to_uniform", out.dino.kl_to_uniform, **kw)
+    for name, value in (out.terms or {}).items():
+        module.log(f"{stage}/{name}", value.detach(), **kw)
     if out.koleo is not None:
         module.log(f"{stage}/koleo", out.koleo.detach(), **kw)
     if out.ibot is not None:

@@ -35,7 +35,8 @@ from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.registry import create_model, family_module, list_families, resolve
 
 # DINO projection heads (`head.mlp`, `head.last_layer`; iBOT's `patch_head.*`) and classifier heads.
-_HEAD_KEY = re.compile(r"^((patch_)?head\.(mlp|last_layer)\.|head\.(weight|bias)$)")
+# Feature distillation's projections (`head.cls_proj`, `head.patch_proj`: ssl_xcit.dino.distill) are heads too.
+_HEAD_KEY = re.compile(r"^((patch_)?head\.(mlp|last_layer)\.|head\.(weight|bias)$|head\.(cls|patch)_proj\.)")
 _CONTAINERS = ("teacher", "model", "state_dict", "student")
 # What ssl-xcit export writes besides weights: programs that run the backbone but cannot be trained or loaded.
 _PROGRAMS = {".onnx": "an ONNX model", ".pt2": "a torch.export program"}

@@ -21,10 +21,11 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 # two crop sizes were fixed by issue 26).
 PENDING: dict[tuple[str, str], str] = {}
 EVERY_ROW = [
-    ("quickstart", "16-mixed"), ("quickstart", "bf16-mixed"), ("quickstart", "bf16-true"), ("quickstart", "32-true"),
+    ("quickstart", "16-mixed"), ("quickstart", "bf16-mixed"), ("quickstart", "32-true"),
+    ("teacher in bf16-true", None), ("koleo under bf16-mixed", None),
     ("compile", "off (32-true)"), ("compile", "on (32-true)"), ("ibot", "off (32-true)"), ("ibot", "on (32-true)"),
     ("ibot", "on + compile (32-true)"), ("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"),
-    ("host syncs per step", None), ("throughput", "--ci --device cpu"), ("ddp 2 = 1 process", None),
+    ("host syncs per step", None), ("host syncs per step (progress bar on)", None), ("throughput", "--ci --device cpu"), ("ddp 2 = 1 process", None),
 ]  # fmt: skip
 
 
@@ -69,13 +70,29 @@ def test_dry_run_subset_in_process(capsys):
     gpu_check = _script()
     code = gpu_check.main(["--dry-run", "--only", "augment,sync"])
     rows = parse(capsys.readouterr().out)
-    assert len(rows) == 3 and code == 0
-    _check(
-        rows,
-        [("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"), ("host syncs per step", None)],
+    assert len(rows) == 4 and code == 0
+    syncs = [("host syncs per step", None), ("host syncs per step (progress bar on)", None)]
+    _check(rows, [("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"), *syncs])
+    for name, _ in syncs:
+        result, status = next(v for k, v in rows.items() if k[0] == name)
+        assert status == "skip" and re.search(r"CPU proxy, host-side tensors included: \d+ per step", result)
+    bar = next(k for k in rows if k[0] == "host syncs per step (progress bar on)")
+    assert bar[1].endswith("SyncedRichProgressBar")  # the recipe's bar, really on
+
+
+def test_dry_run_numerics_rows(capsys):
+    gpu_check = _script()
+    code = gpu_check.main(["--dry-run", "--only", "numerics"])
+    rows = parse(capsys.readouterr().out)
+    assert len(rows) == 2 and code == 0
+    _check(rows, [("teacher in bf16-true", None), ("koleo under bf16-mixed", None)])
+    teacher = next(v for k, v in rows.items() if k[0] == "teacher in bf16-true")
+    assert teacher == (
+        "refused: use --trainer.precision bf16-mixed (float32 weights, bfloat16 compute)",
+        "pass",
     )
-    result, status = next(v for k, v in rows.items() if k[0] == "host syncs per step")
-    assert status == "skip" and re.search(r"CPU proxy, host-side tensors included: \d+ per step", result)
+    koleo = next(v for k, v in rows.items() if k[0] == "koleo under bf16-mixed")
+    assert koleo[0].startswith("64/64 neighbours exact"), koleo
 
 
 def test_unknown_section_is_refused():

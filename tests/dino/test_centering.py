@@ -92,3 +92,48 @@ def test_sinkhorn_inplace_works_in_the_callers_buffer():
     out = sinkhorn_knopp(scores, inplace=True)
     assert out.data_ptr() == scores.data_ptr()  # no (B, K) copy
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def _view_major_concat(a: torch.Tensor, b: torch.Tensor, views: int) -> torch.Tensor:
+    """The rows of two view-major micro-batches as one view-major batch (each view: a's images, then b's)."""
+    return torch.cat([torch.cat(pair) for pair in zip(a.chunk(views), b.chunk(views), strict=True)])
+
+
+def test_deferred_centre_moves_once_as_one_step_over_the_concatenated_batch():
+    """Two micro-batches with ``defer_center`` (what DINO does under accumulation): both see the old centre, and
+    ``apply_center`` moves it once, to where one step over the concatenated batch moves it (DINO term's and,
+    through the same TeacherTargets, iBOT's centre)."""
+    g = torch.Generator().manual_seed(5)
+    batch, k, views = 4, 10, 4
+    students = [torch.randn(views * batch, k, generator=g) for _ in range(2)]
+    teachers = [torch.randn(2 * batch, k, generator=g) * 2 for _ in range(2)]
+    center0 = torch.randn(1, k, generator=g)
+    deferred, whole = DINOLoss(k, center_momentum=0.8), DINOLoss(k, center_momentum=0.8)
+    deferred.center.copy_(center0), whole.center.copy_(center0)
+    deferred.defer_center = True
+    parts = []
+    for student, teacher in zip(students, teachers, strict=True):
+        parts.append(deferred(student, teacher, epoch=0).loss)
+        assert torch.equal(deferred.center, center0)  # not moved inside the window
+    deferred.apply_center()
+    one = whole(_view_major_concat(*students, views), _view_major_concat(*teachers, 2), epoch=0).loss
+    expected = 0.8 * center0.double() + 0.2 * torch.cat(teachers).double().mean(0, keepdim=True)
+    torch.testing.assert_close(deferred.center, whole.center, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(deferred.center.double(), expected, rtol=1e-6, atol=1e-6)
+    assert float(sum(parts) / 2) == pytest.approx(float(one), rel=1e-6)
+    deferred.apply_center()  # an empty window: nothing moves
+    torch.testing.assert_close(deferred.center, whole.center, rtol=1e-6, atol=1e-6)
+
+
+def test_centre_count_is_exact_under_a_half_precision_default_dtype():
+    """A precision plugin may make bfloat16 the default dtype while the loss runs: the row count (301 needs 9
+    significant bits, bfloat16 has 8) must not be rounded with it."""
+    loss_fn = DINOLoss(4, center_momentum=0.5)
+    teacher = torch.arange(1204, dtype=torch.float32).reshape(301, 4)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        loss_fn.update_center(teacher)
+    finally:
+        torch.set_default_dtype(default)
+    torch.testing.assert_close(loss_fn.center, 0.5 * teacher.mean(0, keepdim=True), rtol=1e-6, atol=0)

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import lightning as L
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
@@ -62,33 +61,3 @@ def test_resume_at_epoch_boundary_is_exact(tiny, tmp_path):
     resumed, trainer2 = fit(tiny, root, tmp_path / "resumed", ckpt_path=str(last))
     assert trainer.global_step == trainer2.global_step == 8
     assert_same_weights(full, resumed)
-
-
-class CropDtypes(L.Callback):
-    def __init__(self) -> None:
-        self.dtypes = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.dtypes.append({c.dtype for c in batch[0]})
-
-
-# fp16 weights diverge after one step at this tiny model's lr (a property of fp16 training, which the module
-# reports as TrainingDiverged): 16-true trains one step, bf16-true two.
-@pytest.mark.parametrize(
-    "precision,dtype,steps", [("bf16-true", torch.bfloat16, 2), ("16-true", torch.float16, 1)]
-)
-def test_true_half_precision_trains_with_device_augmentation(tiny, tmp_path, precision, dtype, steps):
-    # The hook runs after Lightning's precision plugin converted the (then uint8) inputs: its float crops
-    # must come out in the precision's dtype, or the first convolution refuses them.
-    root = make_tree(tmp_path / "data")
-    dm = DINODataModule(
-        root=root, batch_size=4, num_workers=0, global_crops_size=16, local_crops_size=8, local_crops_number=2,
-        augment_on="device",
-    )  # fmt: skip
-    seen, losses = CropDtypes(), tiny.Recorder()
-    trainer = tiny.trainer(
-        tmp_path, max_epochs=1, callbacks=[seen, losses], precision=precision, limit_train_batches=steps
-    )
-    trainer.fit(tiny.model(), dm)
-    assert trainer.global_step == steps and seen.dtypes == [{dtype}] * steps
-    assert all(np.isfinite(loss) for loss in losses.losses)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ssl_xcit.dino.koleo import koleo_loss
+from ssl_xcit.dino.koleo import koleo_loss, nearest_neighbours
 
 
 def reference_koleo(x: np.ndarray) -> float:
@@ -43,6 +43,24 @@ def test_koleo_gradient_spreads_a_tight_batch():
     with torch.no_grad():
         after = koleo_loss(x - 0.5 * x.grad)
     assert after < before - 0.1  # a descent step moves nearest neighbours apart
+
+
+def test_koleo_is_exact_under_bf16_autocast():
+    """A near-collapsed batch (every cosine above 0.999, the regime KoLeo exists for): under bf16 autocast the
+    similarities would round to steps of 2^-9 near 1 and tie, and most neighbours change (the loss moved from
+    4.28 to 4.15 in the issue). Autocast is off inside: the neighbours are those of the float64 similarities
+    of the normalised rows, and the loss is float32's and a float64 brute force's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 384, generator=g) + 0.01 * torch.randn(64, 384, generator=g)
+    unit = torch.nn.functional.normalize(x, dim=1).double()
+    expected = (unit @ unit.T).fill_diagonal_(-2.0).argmax(dim=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        nearest = nearest_neighbours(torch.nn.functional.normalize(x, dim=1))
+        loss = koleo_loss(x)
+    assert torch.equal(nearest, expected)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(koleo_loss(x).item(), rel=1e-6)
+    assert loss.item() == pytest.approx(reference_koleo(x.numpy()), rel=1e-5)
 
 
 def test_koleo_rejects_a_single_row():

@@ -111,6 +111,8 @@ def _one_step(
         for p in model.student.parameters():
             if p.requires_grad:
                 p.grad = torch.randn_like(p)
+        for targets in model._teacher_targets():  # the window's centre move (once per optimiser step)
+            targets.apply_center()
         optimizer = model.configure_optimizers()
         model.on_before_optimizer_step(optimizer)  # clipping, last-layer freeze
         optimizer.step()

@@ -1,0 +1,155 @@
+"""Distillation from a frozen teacher (ssl_xcit.dino.distill): both objectives, our teacher and timm's, another
+architecture and patch size than the student (ViT-Ti/16 -> XCiT-N/8), the frozen teacher, the loss, the readers."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file, save_file
+
+from ssl_xcit.cli.export import teacher_backbone
+from ssl_xcit.dino.distill import Distill, align_grid, features_loss
+from ssl_xcit.dino.module import DINO
+from ssl_xcit.errors import UserError
+from ssl_xcit.models.checkpoint import build_backbone
+
+STUDENT = dict(
+    backbone="xcit_nano_12_p8",
+    backbone_kwargs={"depth": 1},
+    head_hidden_dim=32,
+    head_bottleneck_dim=16,
+    warmup_epochs=0,
+    lr=0.02,
+    min_lr=1e-4,
+    freeze_last_layer=0,
+)
+
+
+def _teacher_ckpt(path, ibot: bool = False):
+    """A tiny DINO run of ours (ViT-Ti/16, one block) written as its Lightning checkpoint lays it out."""
+    torch.manual_seed(1)
+    extra = dict(ibot_loss_weight=1.0, ibot_out_dim=48) if ibot else {}
+    dino = DINO("vit_tiny_patch16_224", backbone_kwargs={"depth": 1}, out_dim=64, head_hidden_dim=32,
+                head_bottleneck_dim=16, **extra)  # fmt: skip
+    torch.save({"state_dict": dino.state_dict(), "hyper_parameters": dict(dino.hparams)}, path)
+    return dino
+
+
+def _timm_file(path, name="vit_tiny_patch16_224"):
+    """timm's ImageNet weights as its hub stores them (random values: this machine has no network)."""
+    torch.manual_seed(2)
+    save_file(timm.create_model(name, num_classes=1000).state_dict(), path)
+    return path
+
+
+def _state(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_features_loss_matches_an_independent_formula():
+    g = torch.Generator().manual_seed(0)
+    s_cls, t_cls = torch.randn(3, 5, generator=g), 4 * torch.randn(3, 5, generator=g) + 2
+    s_pat, t_pat = torch.randn(3, 6, 5, generator=g), torch.randn(3, 6, 5, generator=g) - 1
+
+    def reference(student, teacher):
+        t = teacher.double()
+        mean = t.mean(-1, keepdim=True)
+        var = ((t - mean) ** 2).mean(-1, keepdim=True)
+        target = (t - mean) / torch.sqrt(var + 1e-5)
+        return float(((student.double() - target) ** 2).mean())
+
+    cls, patch = features_loss(s_cls, s_pat, t_cls, t_pat)
+    assert float(cls) == pytest.approx(reference(s_cls, t_cls), rel=1e-5)
+    assert float(patch) == pytest.approx(reference(s_pat, t_pat), rel=1e-5)
+
+
+def test_align_grid_is_bilinear_on_a_constructed_grid():
+    grid = torch.tensor([[0.0, 1.0], [2.0, 3.0]]).reshape(1, 2, 2, 1)
+    ramp = torch.tensor([0.0, 0.25, 0.75, 1.0])  # half-pixel centres, edges clamped
+    want = (2 * ramp[:, None] + ramp[None, :]).reshape(1, 4, 4, 1)
+    assert torch.allclose(align_grid(grid, (4, 4)), want)
+    assert align_grid(grid, (2, 2)) is grid
+
+
+@pytest.mark.parametrize("objective, ibot", [("features", False), ("dino", False), ("dino", True)])
+def test_our_teacher_distils_into_another_architecture_and_stays_frozen(objective, ibot, tmp_path, tiny):
+    source = _teacher_ckpt(tmp_path / "teacher.ckpt", ibot=ibot)
+    extra = dict(ibot_loss_weight=1.0) if ibot else {}
+    model = Distill(teacher=str(tmp_path / "teacher.ckpt"), objective=objective, teacher_resolution=32,
+                    **STUDENT, **extra)  # fmt: skip
+    teacher_before = _state(model.teacher)
+    student_before = _state(model.student)
+    assert torch.equal(teacher_before["backbone.pos_embed"], source.teacher.backbone.pos_embed)
+    trainer = tiny.trainer(tmp_path, max_epochs=1, limit_train_batches=3)
+    trainer.fit(model, tiny.loader(n=12))
+    assert trainer.global_step == 3
+    after = _state(model.teacher)
+    assert all(torch.equal(after[k], v) for k, v in teacher_before.items())  # bit-identical, buffers too
+    assert not model.teacher.training and not any(p.requires_grad for p in model.teacher.parameters())
+    assert any(not torch.equal(v, model.student.state_dict()[k]) for k, v in student_before.items())
+    if objective == "dino":  # the student's heads take the teacher's prototype counts
+        assert model.student.head.last_layer.weight_v.shape[0] == 64
+        assert not ibot or model.student.patch_head.last_layer.weight_v.shape[0] == 48
+    # The checkpoint holds no teacher; every reader takes the student.
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert not any(k.startswith("teacher.") for k in saved["state_dict"])
+    want = model.student.backbone.state_dict()
+    for backbone in (teacher_backbone(ckpt)[0], build_backbone(ckpt)):  # export; knn/linear/embed/visualize
+        assert backbone.name == "xcit_nano_12_p8"
+        assert all(torch.equal(v, want[k]) for k, v in backbone.state_dict().items())
+
+
+def test_timm_teacher_from_a_local_file_trains_the_student(tmp_path, tiny):
+    path = _timm_file(tmp_path / "vit.safetensors")
+    model = Distill(teacher=f"timm:vit_tiny_patch16_224.augreg_in21k_ft_in1k@{path}", teacher_resolution=32,
+                    **STUDENT)  # fmt: skip
+    assert (model.teacher.cls_dim, model.teacher.patch_dim) == (192, 192)
+    released = timm.create_model("vit_tiny_patch16_224", num_classes=1000)
+    released.load_state_dict(load_file(path))
+    before = _state(model.teacher.backbone)
+    assert torch.equal(before["blocks.0.attn.qkv.weight"], released.blocks[0].attn.qkv.weight)
+    trainer = tiny.trainer(tmp_path, max_epochs=1, limit_train_batches=2)
+    trainer.fit(model, tiny.loader(n=8))
+    assert trainer.global_step == 2
+    assert all(torch.equal(v, model.teacher.backbone.state_dict()[k]) for k, v in before.items())
+
+
+def test_features_objective_learns_a_fixed_batch(tmp_path):
+    """A real learning check: 20 AdamW steps on one batch more than halve the feature regression loss."""
+    _teacher_ckpt(tmp_path / "teacher.ckpt")
+    torch.manual_seed(0)
+    model = Distill(teacher=str(tmp_path / "teacher.ckpt"), teacher_resolution=32, **STUDENT)
+    crops = [torch.randn(4, 3, 16, 16) for _ in range(2)]
+    opt = torch.optim.AdamW(model.student.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        out = model.compute_losses(crops, None, 0, update_center=True)
+        opt.zero_grad()
+        out.total.backward()
+        opt.step()
+        losses.append(float(out.total.detach()))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize(
+    "teacher, objective, expected",
+    [
+        ("{tmp}/missing.ckpt", "features", "file not found"),
+        ("timm:vit_tiny_patch16_2244", "features", "timm has no model 'vit_tiny_patch16_2244'"),
+        ("timm:resnet18.a1_in1k@{tmp}/resnet.safetensors", "features", "not tokens"),
+        ("timm:vit_tiny_patch16_224.augreg_in21k_ft_in1k@{tmp}/vit.safetensors", "dino", "has no DINO head"),
+        (None, "features", "--model.teacher is required"),
+    ],
+    ids=["missing-file", "unknown-timm-name", "no-tokens", "dino-without-head", "no-teacher"],
+)
+def test_bad_teachers_are_one_line(teacher, objective, expected, tmp_path):
+    if teacher and "resnet" in teacher:
+        _timm_file(tmp_path / "resnet.safetensors", "resnet18")
+    if teacher and "vit.safetensors" in teacher:
+        _timm_file(tmp_path / "vit.safetensors")
+    source = teacher.format(tmp=tmp_path) if teacher else None
+    with pytest.raises(UserError, match=expected) as err:
+        Distill(teacher=source, objective=objective, **STUDENT)
+    assert "\n" not in str(err.value)
