@@ -54,9 +54,8 @@ class DINOLifecycle(LightningModule):
     def configure_model(self) -> None:
         world_size = self.trainer.world_size  # Lightning calls this hook with the trainer attached
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
-            device_type = self.trainer.strategy.root_device.type
-            self.student = convert_sync_batchnorm(self.student, device_type)
-            self.teacher = convert_sync_batchnorm(self.teacher, device_type)
+            self.student = convert_sync_batchnorm(self.student)
+            self.teacher = convert_sync_batchnorm(self.teacher)
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.compile_backbone()
