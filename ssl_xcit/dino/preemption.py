@@ -25,7 +25,7 @@ there. During training the time from the signal to a written checkpoint is at mo
 accumulation window, one more window (the agreement is read a window later) and the checkpoint write
 (docs/cluster.md compares it with SLURM's ``KillWait``).
 
-Ranks agree through a small gloo group of their own, asynchronously: the flag of step ``s`` is all-reduced
+Ranks agree through the run's gloo group for host values (``step_checks.host_group``), asynchronously: the flag of step ``s`` is all-reduced
 while step ``s + 1`` trains and read at its end, so no step waits for it (and no GPU sync is added).
 """
 
@@ -44,6 +44,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from ssl_xcit.dino.step_checks import host_group
 
 HANDLED = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_SIGNAL = signal.SIGUSR1
@@ -134,7 +136,7 @@ class PreemptionCheckpoint(L.Callback):
         self._reclaim_after_lightning(trainer)
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             # Collective: every rank runs setup. CPU tensors, so agreeing never syncs a GPU.
-            self._group = torch.distributed.new_group(backend="gloo")
+            self._group = host_group()
 
     def _reclaim_after_lightning(self, trainer: L.Trainer) -> None:
         """Take SIGTERM back as soon as Lightning's signal connector has replaced it (it registers after
