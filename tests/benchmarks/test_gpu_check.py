@@ -24,6 +24,7 @@ EVERY_ROW = [
     ("compile", "off (32-true)"), ("compile", "on (32-true)"), ("ibot", "off (32-true)"), ("ibot", "on (32-true)"),
     ("ibot", "on + compile (32-true)"), ("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"),
     ("host syncs per step", None), ("throughput", "--ci --device cpu"), ("ddp 2 = 1 process", None),
+    ("ddp 2 + compile = 1 process", None), ("ddp 2, accumulate 2 = 1 process", None),
 ]  # fmt: skip
 
 
