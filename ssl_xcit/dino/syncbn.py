@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -20,8 +20,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 class AllReduceBatchNorm(_BatchNorm):
     """BatchNorm over the union of all processes' batches; any input rank (N, C, ...).
 
-    Gradients are exact: ``torch.distributed.nn.functional.all_reduce`` sums the incoming gradients of the
-    reduced statistics across processes in the backward pass, just as the forward sums the statistics.
+    Gradients are exact: the functional all-reduce sums the incoming gradients of the reduced statistics
+    across processes in the backward pass, just as the forward sums the statistics.
     Outside training, or without an initialised process group, it is a plain BatchNorm.
     """
 
@@ -40,7 +40,10 @@ class AllReduceBatchNorm(_BatchNorm):
         xf = x.float()
         # The local count is made on the device (a fill from a Python number, no host-to-device copy).
         local_count = xf.new_full((1,), xf.numel() // max(channels, 1))
-        stats = dist_fn.all_reduce(torch.cat([xf.sum(dims), (xf * xf).sum(dims), local_count]))
+        stats = torch.cat([xf.sum(dims), (xf * xf).sum(dims), local_count])
+        # Functional all-reduce: differentiable (its backward sums the gradients over the ranks) and traced by
+        # `compile` without a graph break. `wait_tensor` makes it an ordinary tensor for what follows.
+        stats = funcol.wait_tensor(funcol.all_reduce(stats, "sum", dist.group.WORLD))
         count = stats[-1]
         mean = stats[:channels] / count
         var = (stats[channels : 2 * channels] / count - mean * mean).clamp_min(0)
