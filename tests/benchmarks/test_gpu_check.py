@@ -90,7 +90,7 @@ def test_whole_dry_run_through_the_shell_script():
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
-        env=env, capture_output=True, text=True, timeout=900, cwd=REPO,
+        env=env, capture_output=True, text=True, timeout=1800, cwd=REPO,
     )  # fmt: skip
     rows = parse(proc.stdout)
     _check(rows, EVERY_ROW)
