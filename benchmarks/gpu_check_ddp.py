@@ -1,4 +1,4 @@
-"""The multi-process row of ``gpu_check.py``: ``python gpu_check_ddp.py OUT WORLD_SIZE ACCELERATOR SIZE``.
+"""The multi-process rows of ``gpu_check.py``: ``python gpu_check_ddp.py OUT WORLD_SIZE ACCELERATOR SIZE [MODE]``.
 
 Under ``torchrun --nproc_per_node 2`` it is a 2-process Lightning DDP run (NCCL on CUDA, gloo on a CPU); with
 WORLD_SIZE 1 the single-process run at the same total batch. The quickstart's model and centring; what
@@ -7,7 +7,11 @@ instead of random augmentation, an unshuffled sampler (rank r gets samples r, r 
 ranks' batches is the single-process batch). SGD rather than AdamW: AdamW's division by sqrt(v) turns float
 noise on near-zero gradients into full-size steps, which would hide a real disagreement behind a loose
 tolerance. fp32 with TF32 off, so the only difference left is the order of the reductions.
-Writes OUT/teacher_ws{WORLD_SIZE}.pt (rank 0): the teacher's state dict.
+
+MODE ``plain`` (the default); ``compile``: both runs with ``compile: true`` (DDP around compiled backbones,
+synchronised BatchNorm inside them); ``accumulate``: both runs accumulate 2 micro-batches of 8 images per step
+(4 per rank), so each micro-batch of the 2-process run is the union of the ranks' halves of the 1-process one.
+Writes OUT/teacher_ws{WORLD_SIZE}_{MODE}.pt (rank 0): the teacher's state dict and the optimiser steps.
 """
 
 from __future__ import annotations
@@ -41,14 +45,26 @@ class FixedCrops(Dataset):
         return [torch.randn(3, s, s, generator=g) + (i % 3) for s in sizes], i % 3, i
 
 
-def run(out: str, world_size: int, accelerator: str, size: int) -> None:
+MODES = ("plain", "compile", "accumulate")
+
+
+def run(out: str, world_size: int, accelerator: str, size: int, mode: str = "plain") -> None:
+    if mode not in MODES:
+        raise SystemExit(f"MODE must be one of {', '.join(MODES)}, got {mode!r}")
+    accumulate = 2 if mode == "accumulate" else 1
+    if mode == "compile" and accelerator == "cpu":
+        # The dry run: inductor's C++ code generation for three processes took over 10 minutes on 2 busy
+        # cores. aot_eager makes the same graphs (dynamo, DDP's split at bucket boundaries, AOT autograd's
+        # forward and backward) and runs them without generating code.
+        compile_fn = torch.compile
+        torch.compile = lambda fn=None, **kw: compile_fn(fn, **{**kw, "backend": "aot_eager"})
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     L.seed_everything(0, verbose=False)
     model = DINO(
         backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 2}, drop_path_rate=0.0, out_dim=256,
         centering="sinkhorn_knopp", koleo_weight=0.0, warmup_epochs=0, optimizer="sgd", lr=1.0,
-        freeze_last_layer=0, collapse_guard="off",
+        freeze_last_layer=0, collapse_guard="off", compile=mode == "compile", accumulate_grad_batches=accumulate,
     )  # fmt: skip
     trainer = L.Trainer(
         accelerator=accelerator, devices=world_size, strategy="ddp" if world_size > 1 else "auto",
@@ -63,7 +79,7 @@ def run(out: str, world_size: int, accelerator: str, size: int) -> None:
         )
     loader = DataLoader(
         dataset,
-        batch_size=GLOBAL_BATCH // world_size,
+        batch_size=GLOBAL_BATCH // world_size // accumulate,
         sampler=sampler,
         drop_last=True,
         collate_fn=collate_train,
@@ -71,8 +87,9 @@ def run(out: str, world_size: int, accelerator: str, size: int) -> None:
     trainer.fit(model, loader)
     if trainer.global_rank == 0:
         state = {k: v.detach().cpu() for k, v in model.teacher.state_dict().items()}
-        torch.save({"teacher": state, "steps": trainer.global_step}, Path(out) / f"teacher_ws{world_size}.pt")
+        result = {"teacher": state, "steps": trainer.global_step}
+        torch.save(result, Path(out) / f"teacher_ws{world_size}_{mode}.pt")
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    run(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), *sys.argv[5:6])

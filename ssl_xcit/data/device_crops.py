@@ -11,7 +11,8 @@ torchvision ``RandomResizedCrop.get_params``'s rule, DINO's scales per crop kind
 - ``decode_on="device"``: keeps the file bytes, which the training process decodes for the whole batch in one
   ``torchvision.io.decode_jpeg(list, device=...)`` call (nvJPEG on a GPU, libjpeg-turbo on the CPU). Files the
   batched decoder may refuse or mis-orient (not a baseline RGB/grey JPEG, or EXIF-rotated) are decoded in the
-  worker instead and counted.
+  worker instead and counted. A file the device decoder still refuses costs only itself: the batch is decoded
+  again image by image, and the refused files on the CPU (libjpeg-turbo, then PIL), counted with the others.
 
 :func:`collate_crops` pads a batch's images to the largest one, repeating each image's last row and column into
 its padding (so a box that touches the border samples the border, as on the unpadded image), and lays the boxes
@@ -257,14 +258,16 @@ def collate_crops(batch: list[Any]) -> Any:
 
 
 def decode_batch(batch: CropBatch, device: torch.device) -> torch.Tensor:
-    """The batch's padded uint8 images on ``device``, decoding its encoded files in one batched call."""
+    """The batch's padded uint8 images on ``device``, decoding its encoded files in one batched call. Files the
+    device decoder refuses are decoded on the CPU and added to ``batch.fallbacks``; none ends the run."""
     if not batch.encoded:
         return batch.images
     if device.type == "cuda":
         # nvJPEG decodes on a private stream: without this, it was seen to overwrite memory the current
         # stream was still reading (pytorch/vision PR 9606, meta-pytorch/torchcodec PR 1634).
         torch.cuda.current_stream(device).synchronize()
-    decoded = decode_jpeg(batch.encoded, mode=ImageReadMode.RGB, device=device)
+    decoded, refused = _decode_on(batch.encoded, device)
+    batch.fallbacks += refused
     height = max(h for h, _ in batch.sizes)
     width = max(w for _, w in batch.sizes)
     out = torch.empty((batch.batch_size, 3, height, width), dtype=torch.uint8, device=device)
@@ -279,6 +282,38 @@ def decode_batch(batch: CropBatch, device: torch.device) -> torch.Tensor:
     for i, image in enumerate(decoded):
         pad_into(out, done + i, image)
     return out
+
+
+def _decode_on(encoded: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], int]:
+    """Decode ``encoded`` on ``device`` in one call; if the decoder refuses the batch (nvJPEG refuses a whole
+    batched call for one file it cannot read), image by image, the refused ones on the CPU. Returns the
+    images and how many were refused."""
+    try:
+        return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device), 0
+    except RuntimeError:
+        pass
+    images: list[torch.Tensor | None] = []
+    on_cpu: dict[int, torch.Tensor] = {}
+    for i, data in enumerate(encoded):
+        try:
+            images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            images.append(None)
+            on_cpu[i] = _cpu_decode(data)
+    # Copied after every device decode, so nothing the current stream queues overlaps nvJPEG's own stream.
+    for i, pixels in on_cpu.items():
+        images[i] = pixels.to(device, non_blocking=True)
+    return images, len(on_cpu)
+
+
+def _cpu_decode(data: torch.Tensor) -> torch.Tensor:
+    """uint8 (3, h, w) RGB of a file the device refused: libjpeg-turbo, then PIL (which reads CMYK and other
+    JPEGs libjpeg-turbo's RGB path refuses)."""
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB)
+    except RuntimeError:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+            return _pil_decode(image, 1)  # EXIF-rotated files never reach the device decoder
 
 
 def cut_crops(images: torch.Tensor, rois: torch.Tensor, flips: torch.Tensor, sizes: Sequence[int]) -> list:

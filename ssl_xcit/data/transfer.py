@@ -60,8 +60,8 @@ def augment_batch(
     if isinstance(crops, CropBatch):
         # Decode (decode_on=device) and cut the crops on the batch's device: every box and index came
         # with the batch, so nothing is read back from the device.
+        images = decode_batch(crops, crops.rois.device)  # adds the files it decoded on the CPU
         fallbacks = crops.fallbacks
-        images = decode_batch(crops, crops.rois.device)
         crops = cut_crops(images, crops.rois, crops.flips, reader.sizes)
     if not isinstance(crops, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in crops):
         return batch, fallbacks

@@ -302,7 +302,7 @@ class Distill(DINO):
 
         world_size = self.trainer.world_size
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self.student):
-            self.student = convert_sync_batchnorm(self.student, self.trainer.strategy.root_device.type)
+            self.student = convert_sync_batchnorm(self.student)
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.backbone.compile(dynamic=False)

@@ -16,7 +16,7 @@ from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
 from ssl_xcit.dino.step_checks import diverged
 from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
-from ssl_xcit.utils.rng import capture_rng_states, restore_rng_states
+from ssl_xcit.utils.rng import capture_rng_states, gather_rng_states, own_rng_states, restore_rng_states
 
 
 class DINOLifecycle(LightningModule):
@@ -62,9 +62,8 @@ class DINOLifecycle(LightningModule):
     def configure_model(self) -> None:
         world_size = self.trainer.world_size  # Lightning calls this hook with the trainer attached
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
-            device_type = self.trainer.strategy.root_device.type
-            self.student = convert_sync_batchnorm(self.student, device_type)
-            self.teacher = convert_sync_batchnorm(self.teacher, device_type)
+            self.student = convert_sync_batchnorm(self.student)
+            self.teacher = convert_sync_batchnorm(self.teacher)
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.compile_backbone()
@@ -143,8 +142,12 @@ class DINOLifecycle(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A checkpoint is written only after the finite record is read: none ever holds diverged weights.
         self._read_finite()
-        # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one.
+        # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one, on
+        # every rank: each rank's own states, gathered (Lightning calls this hook on every rank).
         checkpoint["rng_states"] = capture_rng_states()
+        per_rank = gather_rng_states(checkpoint["rng_states"])
+        if per_rank is not None:
+            checkpoint["rng_states_per_rank"] = per_rank
         if self.init_state is not None:  # a resumed run keeps its head-only warm-up, without reading SOURCE
             checkpoint["init_from"] = dict(self.init_state)
 
@@ -152,7 +155,9 @@ class DINOLifecycle(LightningModule):
         # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
         # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
         self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
-        restore_rng_states(checkpoint.get("rng_states"))
+        trainer = self._trainer  # None under DINO.load_from_checkpoint
+        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        restore_rng_states(own_rng_states(checkpoint, rank, world_size))
         self.init_state = checkpoint.get("init_from")
         if "state_dict" in checkpoint:  # Gram anchoring switched on or off at resume (ssl_xcit.dino.gram)
             adapt_checkpoint_state(checkpoint["state_dict"], getattr(self, "gram_teacher", None))

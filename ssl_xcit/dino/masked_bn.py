@@ -55,8 +55,8 @@ def statistics_from_unmasked(module: nn.Module, mask: torch.Tensor) -> Iterator[
     if any(isinstance(m, (nn.SyncBatchNorm, AllReduceBatchNorm)) for m in module.modules()):
         # Statistics of a subset of crops would need their own all-reduce; this diagnosis option is not worth it
         # (docs/ibot.md: it changed nothing measurable), so it refuses rather than silently doing nothing.
-        # Both synchronised kinds count: `sync_batchnorm` gives SyncBatchNorm on CUDA, AllReduceBatchNorm on
-        # gloo, and neither is a BatchNorm2d this function would patch.
+        # Both synchronised kinds count: `sync_batchnorm` gives AllReduceBatchNorm, a user's model may bring
+        # torch's SyncBatchNorm, and neither is a BatchNorm2d this function would patch.
         raise UserError(
             "ibot_bn_stats: unmasked works on one process (no SyncBatchNorm); use ibot_bn_stats: all with "
             "several processes or sync_batchnorm"

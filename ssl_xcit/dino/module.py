@@ -102,7 +102,8 @@ class DINO(DINOLifecycle):
         accumulate_grad_batches: batches per optimiser step. Manual optimisation does its own accumulation
             (Lightning's Trainer flag does not apply to it); leave the Trainer's at 1.
         sync_batchnorm: convert XCiT's BatchNorms (patch embedding, LPI) to synchronised BN under DDP, as
-            the reference does; leave ``Trainer(sync_batchnorm=...)`` off (it cannot run on CPU/gloo).
+            the reference does (``AllReduceBatchNorm``); leave ``Trainer(sync_batchnorm=...)`` off (torch's
+            SyncBatchNorm cannot run on CPU/gloo, and reads the host in every forward on CUDA).
         compile: ``torch.compile`` the two backbones (in place: checkpoint keys unchanged).
         collapse_guard: ``warn`` once, or ``stop`` the run, when the teacher holds a collapse mode for
             ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.dino.collapse``);

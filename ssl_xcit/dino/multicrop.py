@@ -12,6 +12,7 @@ from torch import nn
 
 from ssl_xcit.dino.head import DINOHead
 from ssl_xcit.dino.masked_bn import statistics_from_unmasked
+from ssl_xcit.utils.compile import dynamic_batch
 
 
 class MultiCropWrapper(nn.Module):
@@ -36,7 +37,8 @@ class MultiCropWrapper(nn.Module):
         (it compiles ``__call__``) never sees, and it carries most of an iBOT step's compute."""
         # Static shapes: DINO feeds exactly two crop sizes, so two graphs. With automatic dynamic shapes the
         # second size makes a symbolic-shape graph that inductor fails to build for XCiT on torch 2.14
-        # ("cannot determine truth value of Relational", found by benchmarks/gpu_check.sh --dry-run).
+        # ("cannot determine truth value of Relational", found by benchmarks/gpu_check.sh --dry-run). The
+        # batch dimension alone is dynamic (`dynamic_batch` at every call), so a new batch size reuses them.
         self.backbone.compile(dynamic=False)
         self._compile_patch_pass = True
 
@@ -68,7 +70,10 @@ class MultiCropWrapper(nn.Module):
             else contextlib.nullcontext()
         )
         with stats:
-            embedding, patches = patch_pass(self.backbone, torch.cat(list(crops[:n_global])), masks)
+            x = dynamic_batch(torch.cat(list(crops[:n_global])))
+            embedding, patches = patch_pass(
+                self.backbone, x, dynamic_batch(masks) if masks is not None else None
+            )
         embeddings = [embedding]
         if len(crops) > n_global:
             embeddings.append(self._embed(crops[n_global:]))
@@ -82,7 +87,7 @@ class MultiCropWrapper(nn.Module):
             end = start + 1
             while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
                 end += 1
-            embeddings.append(self.backbone(torch.cat(list(crops[start:end]))))
+            embeddings.append(self.backbone(dynamic_batch(torch.cat(list(crops[start:end])))))
             start = end
         return torch.cat(embeddings)
 

@@ -13,10 +13,19 @@ Why not Lightning's own handlers: its SLURM handler (``SLURMEnvironment(auto_req
 checkpoint inside the signal handler, wherever the main thread was: in the middle of an optimiser step, or
 with a batch taken from the loader but not trained on (the resumed run would then skip it), and under DDP it
 enters a barrier from a signal handler. Its SIGTERM handling stops after the current batch without saving.
-This callback installs its ``SIGUSR1`` handler before Lightning looks (so Lightning adds none) and its
-``SIGTERM`` handler when training starts (replacing Lightning's).
+Lightning's SIGTERM handler is worse under DDP: it broadcasts on the default group from inside the signal
+handler, so a signal that reaches one rank only (during sanity validation, say) leaves it waiting for a
+broadcast the others never enter. This callback owns both signals for the whole fit: it installs its handlers
+in ``setup`` (before Lightning looks, so Lightning adds no ``SIGUSR1`` handler) and takes ``SIGTERM`` back
+right after Lightning registers its own (just before sanity validation), and again when training starts.
 
-Ranks agree through a small gloo group of their own, asynchronously: the flag of step ``s`` is all-reduced
+A signal before training (checkpoint restore, sanity validation, ``on_train_start`` work of the callbacks
+before this one) is agreed at ``on_train_start`` with one blocking all-reduce, and the run saves and stops
+there. During training the time from the signal to a written checkpoint is at most the rest of the current
+accumulation window, one more window (the agreement is read a window later) and the checkpoint write
+(docs/cluster.md compares it with SLURM's ``KillWait``).
+
+Ranks agree through the run's gloo group for host values (``step_checks.host_group``), asynchronously: the flag of step ``s`` is all-reduced
 while step ``s + 1`` trains and read at its end, so no step waits for it (and no GPU sync is added).
 """
 
@@ -37,6 +46,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ssl_xcit.dino import sigterm_broadcast
+from ssl_xcit.dino.step_checks import host_group
 
 HANDLED = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_SIGNAL = signal.SIGUSR1
@@ -124,15 +134,38 @@ class PreemptionCheckpoint(L.Callback):
             return
         self.received, self._active = 0, True
         self._install(HANDLED)  # before Lightning registers its own: it then adds no SIGUSR1 handler
+        self._reclaim_after_lightning(trainer)
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             # Collective: every rank runs setup. CPU tensors, so agreeing never syncs a GPU.
-            self._group = torch.distributed.new_group(backend="gloo")
+            self._group = host_group()
+
+    def _reclaim_after_lightning(self, trainer: L.Trainer) -> None:
+        """Take SIGTERM back as soon as Lightning's signal connector has replaced it (it registers after
+        restoring a checkpoint, before sanity validation), so no signal ever reaches its handler. Wrapping
+        the connector's method on this trainer alone is the least invasive hook Lightning 2.x offers; without
+        the private connector, ``on_train_start`` still takes the signal back."""
+        connector = getattr(trainer, "_signal_connector", None)
+        register = getattr(connector, "register_signal_handlers", None)
+        if register is None or getattr(register, "_reclaims_sigterm", False):
+            return
+
+        def register_then_reclaim() -> None:
+            register()
+            self._install((signal.SIGTERM,))
+
+        register_then_reclaim._reclaims_sigterm = True  # type: ignore[attr-defined]
+        connector.register_signal_handlers = register_then_reclaim
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._install((signal.SIGTERM,))  # Lightning replaced it after setup
+        self._install((signal.SIGTERM,))  # in case Lightning's connector could not be wrapped
         # Ours now: Lightning's per-step SIGTERM check has nothing to find.
         if signal.getsignal(signal.SIGTERM) == self._on_signal:
             sigterm_broadcast.silence(trainer)
+        # A signal that came before training (restore, sanity validation, the k-NN monitor's first pass) is
+        # acted on now, before the first window, rather than two windows into training. Once per fit.
+        signum = self._agree(blocking=True)
+        if signum:
+            self._stop(trainer, signum)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -5,7 +5,13 @@
   each epoch's end. Reading ``bool(torch.isfinite(loss))`` every step would wait for the whole step's kernels.
 - :class:`HostAgreement`: whether any rank must skip a batch is a host fact (its loader gave no image), so
   the ranks agree on the host, over a CPU (gloo) process group made once; an all-reduce of a CUDA tensor
-  would be read back after every kernel already queued.
+  would be read back after every kernel already queued. It is a blocking host round trip every step (a
+  fraction of a millisecond), but it does not wait for any GPU: the ranks' hosts meet at the step's start,
+  which DDP's gradient all-reduce makes them do one step later anyway. Agreeing less often is not possible:
+  a rank with no image must be known before the step's first collective.
+
+:func:`host_group` is the one gloo group every host-side agreement shares (this one and
+``PreemptionCheckpoint``'s), so a run opens one set of gloo connections beside NCCL.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ssl_xcit.errors import TrainingDiverged
+from ssl_xcit.errors import TrainingDiverged, UserError
+
+_HOST_GROUP: tuple[object, dist.ProcessGroup] | None = None  # (the default group it belongs to, the group)
 
 
 class FiniteWatch:
@@ -76,22 +84,40 @@ def diverged(
     )
 
 
+def host_group() -> dist.ProcessGroup:
+    """A gloo group over every rank for agreeing on host values, made on the first call (a collective: every
+    rank must make that call at the same point) and shared until the default group changes. Always a group of
+    its own, even when the default group is gloo, so a rank's asynchronous agreement never interleaves with
+    DDP's collectives on the default group."""
+    global _HOST_GROUP
+    world = dist.group.WORLD
+    if _HOST_GROUP is None or _HOST_GROUP[0] is not world:
+        _HOST_GROUP = (world, new_gloo_group())
+    return _HOST_GROUP[1]
+
+
+def new_gloo_group() -> dist.ProcessGroup:
+    """``new_group(backend="gloo")``, with a one-line :class:`UserError` when gloo cannot connect."""
+    try:
+        return dist.new_group(backend="gloo")
+    except RuntimeError as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise UserError(
+            f"could not open the gloo process group the ranks agree on host values through "
+            f"({lines[-1] if lines else type(err).__name__}); gloo takes the network interface of this host's "
+            "name, which other nodes may not reach: set GLOO_SOCKET_IFNAME to an interface they do reach "
+            "(as NCCL_SOCKET_IFNAME, e.g. GLOO_SOCKET_IFNAME=ib0); see docs/cluster.md"
+        ) from err
+
+
 class HostAgreement:
     """``any`` of a host boolean over all ranks, decided on the host (a gloo group under NCCL)."""
 
-    def __init__(self) -> None:
-        self._group: dist.ProcessGroup | None = None
-        self._made = False
-
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any. Every rank must call it at the same point (the
-        first call makes the group, a collective too)."""
+        first call may make the group, a collective too)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return bool(flag)
-        if not self._made:
-            # The default group serves when it is gloo already; NCCL moves only device tensors.
-            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-            self._made = True
         vote = torch.tensor([int(bool(flag))], dtype=torch.int32, device="cpu")
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=host_group())  # NCCL moves only device tensors
         return bool(vote.item())  # a CPU tensor: no device involved

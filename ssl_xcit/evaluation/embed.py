@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from ssl_xcit.data.datasets import collate_skip_none
 from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation.features import FeatureConfig, compute_features
+from ssl_xcit.utils.compile import dynamic_batch
 
 __all__ = ["embed_dataset"]
 
@@ -56,6 +57,7 @@ def embed_dataset(
             if batch is None:  # every image of the batch was unreadable
                 continue
             images = batch[0] if device is None else batch[0].to(device)
+            images = dynamic_batch(images)  # the short last batch reuses a compiled model's graph
             feats.append(compute_features(model, images, config).float().cpu())
             labels.append(torch.as_tensor(batch[1]).long())
     finally:

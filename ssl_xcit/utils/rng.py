@@ -38,3 +38,24 @@ def restore_rng_states(state: dict[str, Any] | None) -> None:
     random.setstate((py_version, tuple(py_state), py_gauss))
     if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states(states: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's :func:`capture_rng_states`, by global rank (a collective); None without several processes.
+    Each rank draws from its own streams (its own GPU's generator above all), so a checkpoint that kept rank
+    0's alone would rewind the others on resume."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, states)  # once per checkpoint: a host round trip is fine here
+    return gathered
+
+
+def own_rng_states(checkpoint: dict[str, Any], rank: int, world_size: int) -> dict[str, Any] | None:
+    """The states this rank saved (``rng_states_per_rank``) when the world size is unchanged, else the
+    checkpoint's ``rng_states`` (rank 0's; a checkpoint from before per-rank states, or another world size)."""
+    per_rank = checkpoint.get("rng_states_per_rank")
+    if per_rank and len(per_rank) == world_size and 0 <= rank < world_size:
+        return per_rank[rank]
+    return checkpoint.get("rng_states")

@@ -25,7 +25,8 @@ EVERY_ROW = [
     ("teacher in bf16-true", None), ("koleo under bf16-mixed", None),
     ("compile", "off (32-true)"), ("compile", "on (32-true)"), ("ibot", "off (32-true)"), ("ibot", "on (32-true)"),
     ("ibot", "on + compile (32-true)"), ("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"),
-    ("host syncs per step", None), ("host syncs per step (progress bar on)", None), ("throughput", "--ci --device cpu"), ("ddp 2 = 1 process", None),
+    ("host syncs per step", None), ("host syncs per step (progress bar on)", None), ("throughput", "--ci --device cpu"),
+    ("ddp 2 = 1 process", None), ("ddp 2 + compile = 1 process", None), ("ddp 2, accumulate 2 = 1 process", None),
 ]  # fmt: skip
 
 
@@ -107,7 +108,7 @@ def test_whole_dry_run_through_the_shell_script():
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run"],
-        env=env, capture_output=True, text=True, timeout=900, cwd=REPO,
+        env=env, capture_output=True, text=True, timeout=1800, cwd=REPO,
     )  # fmt: skip
     rows = parse(proc.stdout)
     _check(rows, EVERY_ROW)

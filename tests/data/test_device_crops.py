@@ -208,3 +208,46 @@ def test_the_fallback_count_is_logged_with_decode_on_device(tmp_path):
     Trainer.datamodule.decode_fallbacks = 3
     SkippedImagesLogger().on_train_epoch_end(Trainer(), Module())
     assert logged == {"data/skipped_images": 0.0, "data/cpu_decoded_images": 3.0}
+
+
+@pytest.mark.parametrize("cpu_refuses", [False, True], ids=["libjpeg-turbo", "pil"])
+def test_a_file_the_device_decoder_refuses_is_decoded_on_the_cpu_and_counted(
+    tmp_path, monkeypatch, cpu_refuses
+):
+    """nvJPEG refuses a whole batched call for one file. Here the device decoder refuses file 1 (alone or in a
+    list); with ``cpu_refuses`` libjpeg-turbo refuses it on the CPU too, leaving PIL. The batch decodes to the
+    same pixels as an unrefused decode, the file is counted, and the run goes on."""
+    import ssl_xcit.data.device_crops as device_crops_module
+
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (24 + i, 32, 3), dtype=np.uint8)).save(tmp_path / f"{i}.jpg")
+    dm = DINODataModule(
+        root=str(tmp_path), batch_size=3, augment_on="device", decode_on="device", num_workers=0,
+        global_crops_size=16, local_crops_size=8, local_crops_number=2,
+    )  # fmt: skip
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert len(batch[0].encoded) == 3 and batch[0].fallbacks == 0
+    expected = decode_batch(batch[0], torch.device("cpu"))
+    assert batch[0].fallbacks == 0
+    refused = batch[0].encoded[1]
+    real = device_crops_module.decode_jpeg
+    calls = []
+
+    def refusing(data, *args, device=None, **kwargs):
+        files = data if isinstance(data, list) else [data]
+        calls.append((len(files), device))
+        if any(f is refused for f in files) and (device is not None or cpu_refuses):
+            raise RuntimeError("nvjpegDecodeBatched failed: NVJPEG_STATUS_BAD_JPEG")
+        return real(data, *args, **({} if device is None else {"device": device}), **kwargs)
+
+    monkeypatch.setattr(device_crops_module, "decode_jpeg", refusing)
+    out = dm.on_after_batch_transfer(batch, 0)
+    assert [tuple(c.shape) for c in out[0]] == [(3, 3, 16, 16)] * 2 + [(3, 3, 8, 8)] * 2
+    assert dm.decode_fallbacks == 1 and batch[0].fallbacks == 1
+    # One batched call, then one per file on the device, with the CPU's libjpeg-turbo for the refused one.
+    cpu = torch.device("cpu")
+    assert calls == [(3, cpu), (1, cpu), (1, cpu), (1, None), (1, cpu)]
+    torch.testing.assert_close(decode_batch(batch[0], torch.device("cpu")), expected, rtol=0, atol=0)
+    assert batch[0].fallbacks == 2  # decoded again, counted again

@@ -69,11 +69,21 @@ class Record(L.Callback):
 
     def __init__(self, crash_at: int | None = None) -> None:
         self.seen: list[tuple[int, int, list[int]]] = []
+        self.rng: list[tuple[int, torch.Tensor]] = []  # (global step, CPU RNG state) at each batch's start
         self.crash_at = crash_at
         self.saved = 0
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self.saved = len(self.seen)
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.world_size > 1:
+            # After Lightning's DDP reseeds every rank alike: CPU streams that differ by rank, as each rank's
+            # own GPU generator's does, so a resume handing rank 1 the states of rank 0 would show.
+            torch.manual_seed(1 + trainer.global_rank)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rng.append((trainer.global_step, torch.get_rng_state()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.seen.append((trainer.global_step, trainer.current_epoch, batch[2].tolist()))
@@ -176,6 +186,7 @@ def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_
         pass
     return {
         "seen": record.seen,
+        "rng": record.rng,
         "saved": record.saved,
         "global_step": trainer.global_step,
         "student": {k: v.detach().clone() for k, v in model.student.state_dict().items()},

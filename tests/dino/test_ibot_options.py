@@ -74,9 +74,9 @@ def test_xcit_stem_statistics_come_from_the_unmasked_crops():
     torch.testing.assert_close(out[1], expected[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("device_type", ["cuda", "cpu"])  # torch's SyncBatchNorm; our gloo AllReduceBatchNorm
-def test_unmasked_statistics_refuse_sync_batchnorm(device_type):
-    model = convert_sync_batchnorm(create_model("xcit_nano_12_p8", depth=1), device_type)
+@pytest.mark.parametrize("convert", [nn.SyncBatchNorm.convert_sync_batchnorm, convert_sync_batchnorm])
+def test_unmasked_statistics_refuse_sync_batchnorm(convert):
+    model = convert(create_model("xcit_nano_12_p8", depth=1))
     with pytest.raises(UserError, match="ibot_bn_stats: unmasked works on one process"):
         with statistics_from_unmasked(model, torch.zeros(2, 16, dtype=torch.bool)):
             pass

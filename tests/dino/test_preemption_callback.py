@@ -91,3 +91,21 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
     checkpoint = torch.load(ranks[0]["checkpoint"], weights_only=False)
     assert checkpoint["global_step"] == 4
     assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_num_yielded"] == 4
+
+
+@pytest.mark.distributed
+def test_a_signal_to_one_rank_before_training_stops_both_at_train_start(tmp_path):
+    """2 gloo processes; only rank 1 is signalled, during sanity validation (before ``on_train_start``).
+    Lightning's handler would broadcast from inside the signal handler on rank 1 alone, and the run would hang
+    (``TimeoutExpired``); the callback owns the signal from ``setup``, so both ranks agree at
+    ``on_train_start``, save before the first step and exit with 143."""
+    from pathlib import Path
+
+    from conftest import torchrun
+
+    torchrun(Path(__file__).with_name("preemption_worker.py"), str(tmp_path), "sanity", timeout=120)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["code"] for r in ranks] == [128 + signal.SIGTERM] * 2
+    assert [r["global_step"] for r in ranks] == [0, 0]
+    checkpoint = torch.load(ranks[0]["checkpoint"], weights_only=False)
+    assert checkpoint["global_step"] == 0 and checkpoint["state_dict"]

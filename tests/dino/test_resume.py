@@ -146,6 +146,13 @@ def test_two_processes_resume_mid_epoch_exactly(tmp_path):
     for net in ("student", "teacher"):  # DDP kept the ranks identical after the resume
         for key, value in ranks[0]["resumed"][net].items():
             assert torch.equal(ranks[1]["resumed"][net][key], value)
+    # Each rank's generator continues its own stream (the CPU's here; CUDA's states travel the same way).
+    assert not torch.equal(ranks[0]["full"]["rng"][0][1], ranks[1]["full"]["rng"][0][1])
+    for r in ranks:
+        full = dict(r["full"]["rng"])
+        assert len(r["resumed"]["rng"]) == 7  # at steps 9 to 15, after the checkpoint of step 9
+        for step, state in r["resumed"]["rng"]:
+            assert torch.equal(state, full[step]), f"the CPU RNG state at step {step} differs"
 
 
 # ---------------------------------------------------------------------------------------- LitData shards

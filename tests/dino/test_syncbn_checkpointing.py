@@ -12,7 +12,7 @@ def test_cpu_conversion_shares_parameters_and_keeps_keys():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(2)))
     weight = model[1].weight
     keys = list(model.state_dict())
-    converted = convert_sync_batchnorm(model, "cpu")
+    converted = convert_sync_batchnorm(model)
     assert isinstance(converted[1], AllReduceBatchNorm) and isinstance(converted[2][0], AllReduceBatchNorm)
     assert converted[1].weight is weight and list(converted.state_dict()) == keys
 
