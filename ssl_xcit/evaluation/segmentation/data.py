@@ -11,6 +11,7 @@ image's, and its ids below the number of classes (or the ignore value).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,9 +155,10 @@ def infer_num_classes(split: SegmentationSplit, ignore_index: int) -> int:
 
 def feature_size(height: int, width: int, multiple: int, short_side: int | None = None) -> tuple[int, int]:
     """The input size of an image: scaled so its short side is ``short_side`` (kept as is when None), then each
-    side rounded to the nearest multiple of ``multiple`` (at least one)."""
+    side rounded to the nearest multiple of ``multiple``, halves up (at least one)."""
     scale = 1.0 if short_side is None else short_side / min(height, width)
-    return tuple(max(multiple, round(side * scale / multiple) * multiple) for side in (height, width))  # type: ignore[return-value]
+    sides = (max(1, math.floor(side * scale / multiple + 0.5)) * multiple for side in (height, width))
+    return tuple(sides)  # type: ignore[return-value]
 
 
 class PatchMultipleResize:
