@@ -71,6 +71,8 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit knn ", _FEATURES),
     (r"^ssl-xcit linear ", [*_FEATURES, "--epochs", "1"]),
     (r"^ssl-xcit embed ", _FEATURES),
+    (r"^ssl-xcit segment ", ["--short-side", "64", "--epochs", "1", "--batch-size", "4", "--num-workers", "0",
+                             "--no-progress"]),
     (r"^ssl-xcit prepare ", ["--no-progress"]),
     (r"^ssl-xcit fit -c eval/linear_xcit\.yaml ", [*_TRAIN, "--data.batch_size=4", "--data.num_workers=0",
                                                    "--data.crop_size=32", "--data.resize_size=32"]),
@@ -172,10 +174,17 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
     gnd = {"imlist": [f"img{i}" for i in range(1, 6)], "qimlist": ["img0"],
            "gnd": [{"bbx": [0.0, 0.0, 200.0, 200.0], "easy": [0], "hard": [1], "junk": [2]}]}  # fmt: skip
     (oxford / "gnd_roxford5k.pkl").write_bytes(pickle.dumps(gnd))
+    for split, n in (("train", 3), ("val", 2)):  # a few CamVid photos and masks, symlinked
+        for image in sorted((shared / "camvid" / split / "images").glob("*.jpg"))[:n]:
+            mask = image.parent.parent / "masks" / f"{image.stem}.png"
+            for sub, path in (("images", image), ("masks", mask)):
+                (root / "camvid" / split / sub).mkdir(parents=True, exist_ok=True)
+                (root / "camvid" / split / sub / path.name).symlink_to(path)
     d = root / "D"
     return {
         "/data/imagenet/train": f"{d}/train", "/data/imagenet/val": f"{d}/val", "imagenet/train": f"{d}/train",
         "imagenet/val": f"{d}/val", "D/train": f"{d}/train", "D/val": f"{d}/val", "my_photos/": f"{d}/train",
+        "camvid/train": str(root / "camvid" / "train"), "camvid/val": str(root / "camvid" / "val"),
         "W": "teacher.safetensors", "data/roxford5k": str(oxford), "data/holidays": str(shared / "retrieval_mini" / "holidays"),
         "data/train_imgs": str(root / "train_imgs.txt"),
         "/data/imagenet-shards": str(root / "imagenet-shards"), "/data/imagenet-val-shards": str(root / "imagenet-val-shards"),
@@ -198,7 +207,19 @@ def test_pages_are_discovered_and_every_command_is_known():
     sources = {b.source for b in blocks}
     assert {"README.md", "docs/getting-started.md", "docs/training.md", "docs/pictures.md"} <= sources
     readme = [b.text for b in blocks if b.source == "README.md" and b.kind == "bash"]
-    for task in ("fit", "validate", "export", "knn", "linear", "embed", "retrieval", "visualize", "models"):
+    tasks = (
+        "fit",
+        "validate",
+        "export",
+        "knn",
+        "linear",
+        "segment",
+        "embed",
+        "retrieval",
+        "visualize",
+        "models",
+    )
+    for task in tasks:
         assert any(c.startswith(f"ssl-xcit {task} ") or c == f"ssl-xcit {task}" for c in readme), task
     assert any(b.kind == "python" and b.source == "docs/backbones.md" for b in blocks)
     for block in blocks:

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-classes",
         type=int,
         default=None,
-        help="class ids are 0..N-1 (default: 1 + the largest id in the train masks, the ignore value aside)",
+        help="class ids are 0..N-1 (default: 1 + the largest id in the train and val masks, the ignore value "
+        "aside)",
     )
     parser.add_argument(
         "--layers",

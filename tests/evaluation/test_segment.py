@@ -98,13 +98,15 @@ def camvid_few(shared_data, tmp_path_factory):
 
 def test_cli_on_camvid_writes_results_and_predictions_that_rescore_the_same(camvid_few, tmp_path):
     args = ["segment", *TINY, "--train", str(camvid_few / "train"), "--val", str(camvid_few / "val"),
-            "--ignore-index", "11", "--num-classes", "11", "--short-side", "64", "--epochs", "2",
+            "--ignore-index", "11", "--short-side", "64", "--epochs", "2",
             "--batch-size", "3", "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
     out, preds = tmp_path / "seg.json", tmp_path / "preds"
     results = main([*args, "--output", str(out), "--predictions", str(preds)])
     written = json.loads(out.read_text())
     assert written["miou"] == pytest.approx(results["miou"]) and 0 <= written["miou"] <= 100
-    assert len(written["per_class_iou"]) == 11 and written["num_train"] == 3 and written["num_val"] == 2
+    k = written["num_classes"]  # inferred: 1 + the largest id in these 5 masks, void (11) aside
+    assert 2 <= k <= 11 and len(written["per_class_iou"]) == k
+    assert written["num_train"] == 3 and written["num_val"] == 2
     assert written["feature_cache_hit"] == {"train": False, "val": False}
     masks = {
         p.stem: np.asarray(Image.open(p)).astype(np.int64)
@@ -112,7 +114,7 @@ def test_cli_on_camvid_writes_results_and_predictions_that_rescore_the_same(camv
     }
     assert sorted(p.name for p in preds.iterdir()) == [f"{s}.png" for s in masks]
     assert all(Image.open(preds / f"{s}.png").size == (480, 360) for s in masks)  # the mask's full size
-    miou, acc = rescore(preds, masks, 11, 11)
+    miou, acc = rescore(preds, masks, k, 11)
     assert miou == pytest.approx(written["miou"]) and acc == pytest.approx(written["pixel_acc"])
     again = main(args)
     assert again["feature_cache_hit"] == {"train": True, "val": True}
@@ -173,7 +175,7 @@ def test_bad_data_gives_one_line_errors(tmp_path, capsys):
     image, mask = halves(rng)
     mask[5, 5] = 7
     high = write_folder(tmp_path / "high", [halves(rng), (image, mask)])
-    line = _fail(["--train", str(good), "--val", str(high), *cache], capsys)
+    line = _fail(["--train", str(good), "--val", str(high), "--num-classes", "2", *cache], capsys)
     assert "class ids [7]" in line and "2 classes" in line and "ignore index is 255" in line
     small = write_folder(tmp_path / "small", [halves(rng)])
     Image.fromarray(np.zeros((10, 10), np.uint8)).save(small / "masks" / "im0.png")

@@ -143,11 +143,10 @@ def check_ids(split: SegmentationSplit, name: str, num_classes: int, ignore_inde
             )
 
 
-def infer_num_classes(split: SegmentationSplit, ignore_index: int) -> int:
-    """1 + the largest id in the masks, the ignore value aside."""
-    top = max(
-        (int(m[m != ignore_index].max()) for m in split.masks if bool((m != ignore_index).any())), default=-1
-    )
+def infer_num_classes(splits: list[SegmentationSplit], ignore_index: int) -> int:
+    """1 + the largest id in the masks of ``splits``, the ignore value aside."""
+    labelled = [m[m != ignore_index] for split in splits for m in split.masks]
+    top = max((int(ids.max()) for ids in labelled if ids.numel()), default=-1)
     if top < 0:
         raise UserError(f"every pixel of every mask is the ignore index {ignore_index}: nothing to learn")
     return top + 1

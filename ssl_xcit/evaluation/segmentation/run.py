@@ -92,7 +92,7 @@ def run_segment(
         raise UserError(f"--ignore-index must be >= 0 (a mask value), got {ignore_index}")
     train_split, val_split = read_split(train, "train"), read_split(val, "val")
     if num_classes is None:
-        num_classes = infer_num_classes(train_split, ignore_index)
+        num_classes = infer_num_classes([train_split, val_split], ignore_index)
     if num_classes < 2 or ignore_index < num_classes:
         raise UserError(
             f"{num_classes} classes with ignore index {ignore_index}: the probe needs at least 2 classes, and "
