@@ -82,6 +82,20 @@ def test_probe_learns_an_easy_constructed_task(tmp_path):
     assert untrained["miou"] < 70 and untrained["feature_cache_hit"] == {"train": True, "val": True}
 
 
+def test_a_module_passed_in_is_probed_and_keyed_on_itself(tmp_path):
+    from ssl_xcit.evaluation.segmentation.pixels import PixelPatches
+
+    rng = np.random.default_rng(0)
+    train = write_folder(tmp_path / "train", [halves(rng, (64, 128)) for _ in range(4)])
+    val = write_folder(tmp_path / "val", [halves(rng, (64, 128)) for _ in range(2)])
+    common = dict(num_workers=0, accelerator="cpu", progress=False, cache_dir=tmp_path / "c", lr=1e-2)
+    # Red against blue is linear in raw pixels: every whole-patch token is right.
+    pixels = run_segment(train, val, model=PixelPatches(16), epochs=20, **common)
+    assert pixels["miou"] > 95 and pixels["feature_dim"] == 3 * 16 * 16
+    other = run_segment(train, val, model=PixelPatches(8), epochs=1, **common)
+    assert other["feature_cache_hit"] == {"train": False, "val": False} and other["feature_dim"] == 192
+
+
 @pytest.fixture(scope="module")
 def camvid_few(shared_data, tmp_path_factory):
     """3 train + 2 val CamVid photos and masks (symlinked), the void id 11."""

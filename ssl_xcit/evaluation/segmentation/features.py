@@ -158,12 +158,14 @@ def split_dense_features(
     cache_dir: str | os.PathLike | None,
     use_cache: bool,
     precision: str | int | None,
+    key_on_module: bool = False,
     **extract: Any,
 ) -> dict[str, tuple[dict[str, Tensor], bool]]:
     """Dense features of each named dataset through the cache: ``{split: (tensors, cache_hit)}``.
 
     ``backbone`` is the one built from ``weights``/``arch``/``seed`` (its size multiple sets the transform, so
-    it exists before the lookup); the key names those, as ``knn``'s does, and it runs only on a miss."""
+    it exists before the lookup); the key names those, as ``knn``'s does, and it runs only on a miss. With
+    ``key_on_module`` (a module passed in from Python) the key is the module's own fingerprint instead."""
     cache_dir = cache_dir if cache_dir is not None else feature_cache.default_cache_dir()
     out = {}
     for split, dataset in splits.items():
@@ -175,6 +177,7 @@ def split_dense_features(
             seed=seed,
             precision=precision,
             extra={"extraction": DENSE_EXTRACTION_VERSION},
+            model=backbone if key_on_module else None,
         )
         name = f"segment-{split}"
         cached = feature_cache.load_cached(cache_dir, name, meta) if use_cache else None

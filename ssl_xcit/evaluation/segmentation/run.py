@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+import torch.nn as nn
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -82,8 +83,12 @@ def run_segment(
     progress: bool = True,
     output: str | os.PathLike | None = None,
     predictions: str | os.PathLike | None = None,
+    model: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Train the probe on ``train``'s cached patch tokens, score it on ``val``; returns (and writes) results."""
+    """Train the probe on ``train``'s cached patch tokens, score it on ``val``; returns (and writes) results.
+
+    ``model`` probes that module (any object with ``size_multiple`` and ``forward_patch_tokens``, e.g. a
+    backbone with its depth cut) instead of ``weights``/``arch``; its cache key is its own fingerprint."""
     feature = DenseFeature(layers)
     for name, value in (("--epochs", epochs), ("--batch-size", batch_size)):
         if value < 1:
@@ -103,7 +108,7 @@ def run_segment(
     names = list(VOC_CLASSES) if val_split.voc and num_classes == len(VOC_CLASSES) else None
     names = names or [str(i) for i in range(num_classes)]
 
-    backbone = build_eval_backbone(weights, arch, seed)
+    backbone = model.eval() if model is not None else build_eval_backbone(weights, arch, seed)
     transform = dense_transform(int(backbone.size_multiple), short_side)
     datasets = {
         "train": SegmentationImages(train_split.images, transform),
@@ -123,6 +128,7 @@ def run_segment(
         num_workers=num_workers,
         accelerator=accelerator,
         progress=progress,
+        key_on_module=model is not None,
     )
     (train_feats, train_hit), (val_feats, val_hit) = features["train"], features["val"]
     train_data = TokenMasks(train_feats, train_split.masks)
