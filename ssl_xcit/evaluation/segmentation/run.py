@@ -19,6 +19,7 @@ from ssl_xcit.evaluation.backbone import build_eval_backbone
 from ssl_xcit.evaluation.segmentation.data import (
     VOC_CLASSES,
     SegmentationImages,
+    SegmentationSplit,
     check_ids,
     dense_transform,
     infer_num_classes,
@@ -61,6 +62,62 @@ def format_segment_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _read_data(
+    train: str | os.PathLike, val: str | os.PathLike, ignore_index: int, num_classes: int | None
+) -> tuple[SegmentationSplit, SegmentationSplit, int, list[str]]:
+    """Both splits, read and checked, the number of classes and their names."""
+    if ignore_index < 0:
+        raise UserError(f"--ignore-index must be >= 0 (a mask value), got {ignore_index}")
+    train_split, val_split = read_split(train, "train"), read_split(val, "val")
+    if num_classes is None:
+        num_classes = infer_num_classes([train_split, val_split], ignore_index)
+    if num_classes < 2 or ignore_index < num_classes:
+        raise UserError(
+            f"{num_classes} classes with ignore index {ignore_index}: the probe needs at least 2 classes, and "
+            "the ignore index must not be a class id (>= the number of classes)"
+        )
+    check_ids(train_split, "train", num_classes, ignore_index)
+    check_ids(val_split, "val", num_classes, ignore_index)
+    voc_names = val_split.voc and num_classes == len(VOC_CLASSES)
+    names = list(VOC_CLASSES) if voc_names else [str(i) for i in range(num_classes)]
+    return train_split, val_split, num_classes, names
+
+
+def _train_and_predict(
+    train_data: TokenMasks,
+    val_data: TokenMasks,
+    probe: SegmentationProbe,
+    *,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    accelerator: str,
+    progress: bool,
+) -> dict[int, torch.Tensor]:
+    """Fit the head on the train tokens; its predicted class ids per val image, by dataset index."""
+    loader = DataLoader(
+        train_data,
+        batch_size=batch_size,
+        shuffle=True,
+        collate_fn=collate_tokens,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        accelerator=accelerator,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=progress,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(probe, train_dataloaders=loader)
+    val_loader = DataLoader(val_data, batch_size=batch_size, collate_fn=collate_tokens)
+    batches = trainer.predict(probe, dataloaders=val_loader)
+    return dict(item for batch in batches or [] for item in batch)
+
+
 def run_segment(
     train: str | os.PathLike,
     val: str | os.PathLike,
@@ -93,20 +150,7 @@ def run_segment(
     for name, value in (("--epochs", epochs), ("--batch-size", batch_size)):
         if value < 1:
             raise UserError(f"{name} must be at least 1, got {value}")
-    if ignore_index < 0:
-        raise UserError(f"--ignore-index must be >= 0 (a mask value), got {ignore_index}")
-    train_split, val_split = read_split(train, "train"), read_split(val, "val")
-    if num_classes is None:
-        num_classes = infer_num_classes([train_split, val_split], ignore_index)
-    if num_classes < 2 or ignore_index < num_classes:
-        raise UserError(
-            f"{num_classes} classes with ignore index {ignore_index}: the probe needs at least 2 classes, and "
-            "the ignore index must not be a class id (>= the number of classes)"
-        )
-    check_ids(train_split, "train", num_classes, ignore_index)
-    check_ids(val_split, "val", num_classes, ignore_index)
-    names = list(VOC_CLASSES) if val_split.voc and num_classes == len(VOC_CLASSES) else None
-    names = names or [str(i) for i in range(num_classes)]
+    train_split, val_split, num_classes, names = _read_data(train, val, ignore_index, num_classes)
 
     backbone = model.eval() if model is not None else build_eval_backbone(weights, arch, seed)
     transform = dense_transform(int(backbone.size_multiple), short_side)
@@ -137,27 +181,16 @@ def run_segment(
     pl.seed_everything(seed, verbose=False)
     dim = int(train_feats["tokens"].shape[1])
     probe = SegmentationProbe(dim, num_classes, ignore_index, lr=lr)
-    loader = DataLoader(
+    predicted = _train_and_predict(
         train_data,
+        val_data,
+        probe,
+        epochs=epochs,
         batch_size=batch_size,
-        shuffle=True,
-        collate_fn=collate_tokens,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    trainer = pl.Trainer(
-        max_epochs=epochs,
+        seed=seed,
         accelerator=accelerator,
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=progress,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        progress=progress,
     )
-    trainer.fit(probe, train_dataloaders=loader)
-    val_loader = DataLoader(val_data, batch_size=batch_size, collate_fn=collate_tokens)
-    batches = trainer.predict(probe, dataloaders=val_loader)
-    predicted = dict(item for batch in batches or [] for item in batch)
 
     confusion = ConfusionMatrix(num_classes, ignore_index)
     order = sorted(predicted)
