@@ -161,8 +161,15 @@ def test_voc_layout_reads_the_split_lists(tmp_path):
                     "--epochs", "1", "--cache-dir", str(tmp_path / "c"), "--predictions", str(tmp_path / "p")])  # fmt: skip
     assert results["num_train"] == 3 and results["num_val"] == 2 and results["ignore_index"] == 255
     assert list(results["per_class_iou"]) == list(VOC_CLASSES)
-    assert results["per_class_iou"]["cat"] is None  # in neither truth nor (almost surely) prediction: NaN
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["2008_000001.png", "2008_000002.png"]
+    # A class in neither the val masks (background, person, 255) nor the predictions is NaN (null), any other
+    # has a number.
+    seen = {0, 15} | {
+        int(v) for p in (tmp_path / "p").iterdir() for v in np.unique(np.asarray(Image.open(p)))
+    }
+    for k, name in enumerate(VOC_CLASSES):
+        assert (results["per_class_iou"][name] is None) == (k not in seen), name
+    assert len(seen) < 21
 
 
 def _fail(args: list[str], capsys) -> str:
