@@ -2,7 +2,8 @@
 
 Rows: the quickstart (``ssl-xcit fit -c recipes/quickstart.yaml``, short) in 16-mixed, bf16-mixed and
 bf16-true; compile on and off; iBOT on and off (and both on: compile must cover the masked pass);
-``augment_on`` cpu and device; host syncs per step (``sync_count.py``); the throughput benchmark; with 2 or
+``augment_on`` cpu and device; host syncs per step (``sync_count.py``), with the recipe's progress bar off and
+on; the throughput benchmark; with 2 or
 more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``). Rows with
 the same settings share one run. A row passes when its run ends with the steps asked for and finite weights
 and loss (and its own condition where it has one). Exit status 1 when any row fails.
@@ -146,9 +147,23 @@ def _named(row: Row, name: str, setting: str) -> Row:
     return Row(name, setting, row.result, row.status)
 
 
-def sync_row(check: Check) -> Row:
+def _recipe_progress_bar():
+    """The progress bar the quickstart recipe names (its ``callbacks`` entry), made with its arguments."""
+    import importlib
+
+    import yaml
+
+    for entry in yaml.safe_load(RECIPE.read_text())["trainer"]["callbacks"]:
+        if "ProgressBar" in entry["class_path"]:
+            module, name = entry["class_path"].rsplit(".", 1)
+            return getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))
+    raise ValueError(f"{RECIPE.name} names no progress bar")
+
+
+def sync_row(check: Check, progress_bar: bool = False) -> Row:
     """Host syncs per step of the quickstart's model and data, after 2 warm-up steps. Passes when at most one
-    step in ``k`` syncs, ``k`` being the logging interval (and ``sync_every_n_steps`` where DINO has it)."""
+    step in ``k`` syncs, ``k`` being the logging interval (and ``sync_every_n_steps`` where DINO has it). With
+    ``progress_bar``, the recipe's bar is on (the other row turns it off, as the throughput benchmark does)."""
     import lightning as L
     import yaml
     from lightning.pytorch.loggers import CSVLogger
@@ -165,17 +180,22 @@ def sync_row(check: Check) -> Row:
         data_kw = {**data_kw, "root": str(check.tmp / "images"), "batch_size": 4, "num_workers": 0,
                    "persistent_workers": False, "global_crops_size": 32, "local_crops_size": 16}  # fmt: skip
     setting = f"after 2 steps, {measured} steps, logging every {k}"
+    bar = _recipe_progress_bar() if progress_bar else None
     if "sync_every_n_steps" in inspect.signature(DINO).parameters:  # only where the module has the setting
         model_kw = {**model_kw, "sync_every_n_steps": k}
         setting += f", sync_every_n_steps {k}"
+    if bar is not None:
+        setting += f", {type(bar).__name__}"
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator=check.accelerator, devices=1, precision=check.base_precision, max_epochs=1,
         limit_train_batches=2 + measured + 1, limit_val_batches=0, num_sanity_val_steps=0,
         logger=CSVLogger(check.tmp / "sync_logs"), log_every_n_steps=k, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[counter],
+        enable_progress_bar=bar is not None, enable_model_summary=False,
+        callbacks=[counter] if bar is None else [counter, bar],
     )  # fmt: skip
     trainer.fit(DINO(**{**model_kw, "collapse_guard": "off"}), DINODataModule(**data_kw))
+    name = "host syncs per step" + (" (progress bar on)" if bar is not None else "")
     steps = counter.per_step[:measured]
     syncing = sum(n > 0 for n in steps)
     allowed = math.ceil(len(steps) / k)
@@ -185,9 +205,9 @@ def sync_row(check: Check) -> Row:
     if check.dry:  # nothing waits on a CPU: the proxy's count includes host-side tensors, an upper bound only
         per_step = sum(steps) / max(len(steps), 1)
         result = f"n/a on a CPU (CPU proxy, host-side tensors included: {per_step:.0f} per step)"
-        return Row("host syncs per step", setting, result, "skip" if len(steps) == measured else "fail")
+        return Row(name, setting, result, "skip" if len(steps) == measured else "fail")
     ok = len(steps) == measured and syncing <= allowed
-    return Row("host syncs per step", setting, result, "pass" if ok else "fail")
+    return Row(name, setting, result, "pass" if ok else "fail")
 
 
 def throughput_row(check: Check) -> Row:
@@ -265,7 +285,7 @@ SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
     "compile": lambda c: option_rows(c, "compile"),
     "ibot": lambda c: option_rows(c, "ibot"),
     "augment": lambda c: option_rows(c, "augment_on"),
-    "sync": lambda c: [sync_row(c)],
+    "sync": lambda c: [sync_row(c), sync_row(c, progress_bar=True)],
     "throughput": lambda c: [throughput_row(c)],
     "ddp": lambda c: [ddp_row(c)],
 }

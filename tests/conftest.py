@@ -53,3 +53,60 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     # File modes are tested with and without owner-only files; the caller's own setting must not leak in.
     monkeypatch.delenv("SSL_XCIT_PRIVATE", raising=False)
     yield
+
+
+# ----------------------------------------------------------------------------------- object storage
+S3_REGION = "us-east-1"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server (moto's server mode) on 127.0.0.1 at a free port, with bucket ``bucket`` and
+    IAM authentication on: only the returned access key is accepted, so wrong credentials fail as on a real
+    store. Yields ``{"endpoint": ..., "key": ..., "secret": ...}``."""
+    import json
+    import logging
+
+    import boto3
+    import moto.settings
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    # The 4 set-up calls below run unauthenticated; every later request must be signed with the user's key.
+    moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = 4
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    setup = dict(
+        endpoint_url=endpoint, region_name=S3_REGION, aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    boto3.client("s3", **setup).create_bucket(Bucket="bucket")
+    iam = boto3.client("iam", **setup)
+    iam.create_user(UserName="ssl-xcit")
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    iam.put_user_policy(UserName="ssl-xcit", PolicyName="s3", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName="ssl-xcit")["AccessKey"]
+    yield {"endpoint": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch, tmp_path, request):
+    """The environment of a user of ``s3_server``: its endpoint and key in ``AWS_*`` variables, no AWS files,
+    LitData's chunk cache under ``tmp_path``, 2 attempts per request. Yields an ``s3://bucket/...`` prefix of
+    this test's own."""
+    import litdata.utilities.dataset_utilities as litdata_cache
+
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server["endpoint"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server["secret"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", S3_REGION)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("LITDATA_CACHE_DIR", str(tmp_path / "litdata_cache"))  # read by subprocesses
+    monkeypatch.setattr(litdata_cache, "_LITDATA_CACHE_DIR", str(tmp_path / "litdata_cache"))
+    yield f"s3://bucket/{request.node.name.replace('[', '-').rstrip(']')}"

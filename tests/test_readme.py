@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import timm
+from safetensors.torch import save_file
 
 from ssl_xcit.cli import main as cli_main
 from ssl_xcit.data import datamodule as dm_module
@@ -27,7 +29,8 @@ from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 DOCS = README.parent / "docs"
-EXCERPT = "<!-- excerpt -->"  # the line before a ```python fence that is shown, not run
+EXCERPT = "<!-- excerpt -->"
+MINIO = "http://minio.cluster:9000"  # the S3-compatible endpoint of docs/cluster.md  # the line before a ```python fence that is shown, not run
 
 # Tiny DINO: small crops, a small head, one or two steps (the recipe's structure is what is being tested).
 _TRAIN = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
@@ -57,10 +60,13 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^bash benchmarks/gpu_check\.sh$", "needs a CUDA GPU; its --dry-run form is tested in tests/benchmarks"),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO, *_SHALLOW, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO, *_SHALLOW]),
+    (r"^ssl-xcit fit -c recipes/quickstart\.yaml --model\.init_from teacher\.safetensors$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/init_from"]),
+    # timm's 12 blocks (the page clears the depth cut), read from the local file _workspace writes for the name
+    (r"^ssl-xcit fit -c recipes/quickstart\.yaml --model\.init_from timm:\S+ --model\.backbone_kwargs \{\}$", [*_TRAIN, *_DINO, "--run_dir", "runs/init_from_timm"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/device_augment"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --data\.augment_on device --data\.decode_on device$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/device_decode"]),
     (r"^ssl-xcit prepare /data/imagenet/(train|val) /data/imagenet(-val)?-shards --workers 32$", ["--workers", "2", "--no-progress"]),
-    (r"^ssl-xcit prepare \S+ s3://", "needs object storage; URLs are read through a stand-in storage client in tests/data"),
+    (r"^ssl-xcit prepare \S+ s3://", ["--workers", "2", "--no-progress"]),  # to the S3 server of tests/conftest.py
     (r"^ssl-xcit fit -c recipes/dino_xcit_s12_16\.yaml --data\.root /data/imagenet-shards .* --ckpt_path last$",
      [*_TRAIN, *_DINO, *_SHALLOW, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/(dino_xcit_\w+|dinov2_xcit_\w+|small_dataset)\.yaml ", [*_TRAIN, *_DINO, *_SHALLOW]),
@@ -180,11 +186,17 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
             for sub, path in (("images", image), ("masks", mask)):
                 (root / "camvid" / split / sub).mkdir(parents=True, exist_ok=True)
                 (root / "camvid" / split / sub / path.name).symlink_to(path)
+    # timm's ImageNet XCiT-N12/8 as its hub stores it (random values: this machine has no network)
+    save_file(
+        timm.create_model("xcit_nano_12_p8_224", num_classes=1000).state_dict(),
+        root / "xcit_nano.safetensors",
+    )
     d = root / "D"
     return {
         "/data/imagenet/train": f"{d}/train", "/data/imagenet/val": f"{d}/val", "imagenet/train": f"{d}/train",
         "imagenet/val": f"{d}/val", "D/train": f"{d}/train", "D/val": f"{d}/val", "my_photos/": f"{d}/train",
         "camvid/train": str(root / "camvid" / "train"), "camvid/val": str(root / "camvid" / "val"),
+        "timm:xcit_nano_12_p8_224.fb_in1k": f"timm:xcit_nano_12_p8_224.fb_in1k@{root / 'xcit_nano.safetensors'}",
         "W": "teacher.safetensors", "data/roxford5k": str(oxford), "data/holidays": str(shared / "retrieval_mini" / "holidays"),
         "data/train_imgs": str(root / "train_imgs.txt"),
         "/data/imagenet-shards": str(root / "imagenet-shards"), "/data/imagenet-val-shards": str(root / "imagenet-val-shards"),
@@ -263,7 +275,7 @@ def test_an_unknown_command_names_its_page():
         shrink("ssl-xcit nope --x", "docs/new.md")
 
 
-def test_every_page_command_runs(shared_data, tmp_path, monkeypatch):
+def test_every_page_command_runs(shared_data, tmp_path, monkeypatch, s3_env, s3_server):
     # The built-in dataset's wiring with 60 images instead of 2,500 (generation is tested in tests/data).
     monkeypatch.setattr(dm_module, "ensure_synthetic_dataset", lambda: ensure_synthetic_dataset(
         num_train_per_class=4, num_val_per_class=2))  # fmt: skip
@@ -294,7 +306,10 @@ def test_every_page_command_runs(shared_data, tmp_path, monkeypatch):
             i = argv.index("...")
             argv = argv[:i] + previous[argv[0]] + argv[i + 1 :]
         previous[argv[0]] = argv[1:]
-        argv = [_local(paths.get(a, a), shared_data) for a in argv] + extra
+        # docs/cluster.md's MinIO endpoint is the S3 server of tests/conftest.py (s3_env names it for the rest)
+        argv = [
+            _local(paths.get(a, a), shared_data).replace(MINIO, s3_server["endpoint"]) for a in argv
+        ] + extra
         try:
             cli_main(argv)
         except SystemExit as err:  # a parse error ends with SystemExit; 0/None is a clean exit

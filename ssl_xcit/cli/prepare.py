@@ -2,6 +2,7 @@
 
 ssl-xcit prepare photos/ photos_shards/ --workers 8
 ssl-xcit prepare train.txt s3://bucket/train --resize-short 512
+ssl-xcit prepare photos/ photos_shards/ --workers 8 --resume   # after an interruption
 
 ``knn``, ``linear`` and ``embed`` take OUT wherever they take an image folder.
 """
@@ -40,6 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
         "complete); default: refuse",
     )
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted prepare of OUT with the same SRC and settings, after the chunks it stored; "
+        "a finished OUT is left as it is, and with nothing to continue it starts afresh",
+    )
+    parser.add_argument(
+        "--storage-options",
+        default=None,
+        metavar="JSON",
+        help='for an s3:// OUT: boto3 client settings as a JSON object, e.g. \'{"endpoint_url": '
+        '"http://minio:9000"}\' (default: AWS_ENDPOINT_URL, AWS_PROFILE and the like; docs/cluster.md)',
+    )
+    parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (the summary is still printed)"
     )
     return parser
@@ -49,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Prepare the shards; prints a summary (skipped files named) and returns it."""
     from ssl_xcit.cli.quiet import cap_workers
     from ssl_xcit.data.shards import prepare_shards
+    from ssl_xcit.data.storage import storage_options
 
     args = build_parser().parse_args(argv)
     return prepare_shards(
@@ -58,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         resize_short=args.resize_short,
         chunk_bytes=args.chunk_bytes,
         overwrite=args.overwrite,
+        resume=args.resume,
+        storage_options=storage_options(args.storage_options),
         progress=not args.no_progress,
     )
 

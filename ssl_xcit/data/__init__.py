@@ -24,11 +24,15 @@ from ssl_xcit.data.transforms import (
 
 
 def __getattr__(name: str):
-    # The data module pulls in Lightning; importing it lazily keeps `ssl_xcit.data.transforms` etc. light.
-    if name in ("DINODataModule", "SkippedImagesLogger"):
-        from ssl_xcit.data import datamodule
+    # Both pull in Lightning; importing them lazily keeps `ssl_xcit.data.transforms` etc. light.
+    if name == "DINODataModule":
+        from ssl_xcit.data.datamodule import DINODataModule
 
-        return getattr(datamodule, name)
+        return DINODataModule
+    if name == "SkippedImagesLogger":
+        from ssl_xcit.data.callbacks import SkippedImagesLogger
+
+        return SkippedImagesLogger
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -4,7 +4,7 @@ A training batch is ``[crops, labels, indices]``: ``crops`` is a list of ``2 + l
 tensors, the two global crops (B, 3, G, G) first, then the local ones (B, 3, L, L); ``labels`` is -1 for
 unlabelled data. Items whose file cannot be decoded are dropped from their batch (so a batch can be smaller
 than ``batch_size``; ``None`` if every item failed). The number of skipped files is available as
-``num_skipped`` (it counts files flagged by any DataLoader worker, see ``ssl_xcit.data.datasets``) and is
+``num_skipped`` (it counts files flagged by any DataLoader worker, see ``ssl_xcit.data.image_dataset``) and is
 logged as ``data/skipped_images`` by the ``SkippedImagesLogger`` callback and summarised at ``teardown``.
 
 A prepared dataset (``ssl-xcit prepare``: LitData shards, a folder or an ``s3://`` / ``gs://`` URL) trains
@@ -27,29 +27,25 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from ssl_xcit.data.callbacks import SkippedImagesLogger
 from ssl_xcit.data.crops import MultiCropGeometry
-from ssl_xcit.data.datasets import ImageDataset, build_dataset, collate_skip_none, collate_train
+from ssl_xcit.data.datasets import ImageDataset, open_folders
 from ssl_xcit.data.device_augment import PhotometricAugment
-from ssl_xcit.data.device_crops import (
-    DECODE_ON,
-    CropBatch,
-    CropReader,
-    collate_crops,
-    cut_crops,
-    decode_batch,
-)
-from ssl_xcit.data.resumable import resumable_loader, run_seed
+from ssl_xcit.data.device_crops import DECODE_ON, CropReader
+from ssl_xcit.data.knn_data import aligned_val, knn_sets
+from ssl_xcit.data.loaders import build_loader, check_full_batches
 from ssl_xcit.data.shards import is_shard_root, is_url
-from ssl_xcit.data.splits import stratified_split
-from ssl_xcit.data.streaming import ShardTrainSet, dataset_view, knn_bank, open_shards, shard_train_loader
+from ssl_xcit.data.storage import storage_options as parse_storage_options
+from ssl_xcit.data.streaming import dataset_view, open_shards
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
+from ssl_xcit.data.transfer import OTHER_STREAM, augment_batch, loop_position
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 from ssl_xcit.errors import UserError
 
+# SkippedImagesLogger lived here; importing it from this module still works.
+__all__ = ["AUGMENT_ON", "DINODataModule", "SkippedImagesLogger"]
+
 AUGMENT_ON = ("auto", "cpu", "device")
-# Streams of the device augmentation's random draws: fit's training batches, validation batches, and calls
-# outside a trainer's loops (benchmarks, direct calls).
-_TRAIN_STREAM, _VAL_STREAM, _OTHER_STREAM = range(3)
 
 
 class DINODataModule(L.LightningDataModule):
@@ -114,6 +110,9 @@ class DINODataModule(L.LightningDataModule):
             per worker at 640 x 480 (docs/input-pipeline.md), but moves the decode into the training process and decodes
             large photos at full size (8 GB of float per 64 8-MP photos); ``worker`` is the default because it
             has been measured end to end (no GPU decode has been timed yet) and keeps memory bounded.
+        storage_options: For ``s3://`` roots: boto3 client settings such as ``{"endpoint_url":
+            "http://minio:9000"}`` (an S3-compatible store), passed to LitData; default: the environment's
+            (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...). See docs/cluster.md.
     """
 
     def __init__(
@@ -146,9 +145,11 @@ class DINODataModule(L.LightningDataModule):
         knn_bank_limit: int | None = None,
         augment_on: Literal["auto", "cpu", "device"] = "auto",
         decode_on: Literal["worker", "device"] = "worker",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        storage_options = parse_storage_options(storage_options)  # a bad key fails here, in one line
         # Fail at construction (before a Trainer exists) on anything checkable without reading the data.
         for name, path in (("root", root), ("val_root", val_root)):
             if path is not None and not is_url(path) and not Path(path).expanduser().exists():
@@ -265,28 +266,18 @@ class DINODataModule(L.LightningDataModule):
             return self._setup_shards()
         else:
             train_root = Path(hp.root).expanduser()
-        full = build_dataset(train_root, labelled=hp.labelled)
-        train_samples = full.samples
-        val_set: ImageDataset | None = None
-        if hp.val_fraction > 0:
-            if not full.labelled:
-                raise UserError(
-                    f"val_fraction={hp.val_fraction} needs a labelled root (ImageFolder tree or list file with "
-                    f"labels), but {train_root} is unlabelled; give a labelled val_root instead"
-                )
-            train_samples, held_out = stratified_split(full.samples, hp.val_fraction, hp.split_seed)
-            val_set = ImageDataset(held_out, full.classes)
-        elif val_root is not None:
-            val_set = build_dataset(val_root)
-        self.train_dataset = ImageDataset(train_samples, full.classes, self.train_transform)
+        self.train_dataset, val_set = open_folders(
+            train_root, val_root, hp.val_fraction, hp.labelled, hp.split_seed, self.train_transform
+        )
+        classes = self.train_dataset.classes
         self._check_batches(train_root)
-        self.val_dataset = self._aligned_val(val_set, full.classes, val_root)
+        self.val_dataset, self.knn_unavailable_reason = aligned_val(val_set, classes, val_root)
         if hp.verify_images:
             bad = self.train_dataset.verify()
             rank_zero_info(
                 f"verify_images: {bad} of {len(self.train_dataset)} training images are unreadable"
             )
-        kind = f"{len(full.classes)} classes" if full.labelled else "unlabelled"
+        kind = f"{len(classes)} classes" if classes is not None else "unlabelled"
         unreadable = self.train_dataset.num_skipped if hp.verify_images else 0
         if unreadable:  # they stay in the index (skipped when drawn); the count says what trains
             kind += f"; {unreadable} unreadable skipped"
@@ -296,11 +287,17 @@ class DINODataModule(L.LightningDataModule):
         """``root`` is a prepared dataset: LitData's streaming training set (``ssl_xcit.data.streaming``)."""
         hp = self.hparams
         self.train_dataset, val_set = open_shards(
-            hp.root, hp.val_root, hp.val_fraction, hp.labelled, hp.verify_images, self.train_transform
+            hp.root,
+            hp.val_root,
+            hp.val_fraction,
+            hp.labelled,
+            hp.verify_images,
+            self.train_transform,
+            hp.storage_options,
         )
         classes = self.train_dataset.classes
         self._check_batches(hp.root)
-        self.val_dataset = self._aligned_val(val_set, classes, hp.val_root)
+        self.val_dataset, self.knn_unavailable_reason = aligned_val(val_set, classes, hp.val_root)
         kind = f"{len(classes)} classes" if classes else "unlabelled"
         self._report(self.train_dataset.num_records, f"{kind}, prepared", hp.root)
 
@@ -312,93 +309,23 @@ class DINODataModule(L.LightningDataModule):
         )
         rank_zero_info(f"DINO data: {images} training images ({kind}) from {train_root}; {knn}")
 
-    def _check_batches(self, train_root: Path) -> None:
+    def _check_batches(self, train_root: Any) -> None:
         world = self.trainer.world_size if self.trainer is not None else 1
-        total = getattr(self.train_dataset, "num_records", None) or len(self.train_dataset)
-        per_rank = total // max(world, 1)
-        if per_rank < self.hparams.batch_size:
-            raise UserError(
-                f"{train_root} has {total} training images ({per_rank} per device on {world}), "
-                f"fewer than batch_size={self.hparams.batch_size}: with drop_last no full batch would be left; "
-                "lower data.batch_size"
-            )
-
-    def _aligned_val(
-        self, val_set: ImageDataset | None, classes: list[str] | None, val_root: str | None
-    ) -> ImageDataset | None:
-        """The val set relabelled with the training classes, or None with ``knn_unavailable_reason`` set."""
-        if classes is None:
-            self.knn_unavailable_reason = (
-                "the training data has no labels (the k-NN bank needs them): use an ImageFolder tree or a list "
-                "file with a label column"
-            )
-            return None
-        if val_set is None:
-            self.knn_unavailable_reason = "no labelled val set: set data.val_root or data.val_fraction > 0"
-            return None
-        if val_set.classes is None:
-            self.knn_unavailable_reason = f"val_root {val_root} has no labels (it is not an ImageFolder tree)"
-            return None
-        index = {name: i for i, name in enumerate(classes)}
-        unknown = sorted(set(val_set.classes) - set(index))
-        if unknown:
-            raise UserError(
-                f"val_root {val_root} has classes absent from the training data: {unknown[:10]}; "
-                f"training classes: {classes[:10]}{'...' if len(classes) > 10 else ''}"
-            )
-        self.knn_unavailable_reason = None
-        samples = [(p, index[val_set.classes[y]]) for p, y in val_set.samples]
-        return dataset_view(val_set, None, samples, classes)
+        check_full_batches(self.train_dataset, self.hparams.batch_size, world, train_root)
 
     # ---------------------------------------------------------------------------------------------- loaders
     def _loader(
-        self,
-        dataset: ImageDataset,
-        batch_size: int,
-        train: bool,
-        num_workers: int | None = None,
-        persistent_workers: bool | None = None,
+        self, dataset: ImageDataset, batch_size: int, train: bool, persistent_workers: bool | None = None
     ) -> DataLoader:
-        workers = self.hparams.num_workers if num_workers is None else num_workers
-        persistent = self.hparams.persistent_workers if persistent_workers is None else persistent_workers
-        shards = isinstance(dataset, ShardTrainSet)
-        device_crops = isinstance(dataset.item_transform if shards else dataset.transform, CropReader)
-        common = dict(
-            num_workers=workers,
-            pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
-            persistent_workers=persistent,
-        )
-        collate = collate_crops if device_crops else collate_train
-        trainer = self.trainer
-        if train and shards:  # LitData's loader, checkpointed by Lightning too (ssl_xcit.data.streaming)
-            return shard_train_loader(
-                dataset,
-                batch_size,
-                collate,
-                rank=trainer.global_rank if trainer is not None else 0,
-                seed=run_seed(),
-                epoch=(lambda: trainer.fit_loop.epoch_progress.current.processed)
-                if trainer is not None
-                else None,
-                **common,
-            )
-        if train:  # checkpointed by Lightning and resumed mid-epoch exactly (ssl_xcit.data.resumable)
-            return resumable_loader(
-                dataset,
-                batch_size,
-                collate,
-                world_size=trainer.world_size if trainer is not None else 1,
-                rank=trainer.global_rank if trainer is not None else 0,
-                **common,
-            )
-        return DataLoader(
+        hp = self.hparams
+        return build_loader(
             dataset,
-            batch_size=batch_size,
-            shuffle=False,
-            num_workers=workers,
-            pin_memory=self.hparams.pin_memory and torch.cuda.is_available(),
-            persistent_workers=persistent and workers > 0,
-            collate_fn=collate_crops if device_crops else collate_skip_none,
+            batch_size,
+            train,
+            self.trainer,
+            num_workers=hp.num_workers,
+            pin_memory=hp.pin_memory,
+            persistent_workers=hp.persistent_workers if persistent_workers is None else persistent_workers,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -431,21 +358,10 @@ class DINODataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return None
-        if self._knn is None and isinstance(self.train_dataset, ShardTrainSet):
-            hp = self.hparams
-            bank = knn_bank(self.train_dataset, self.eval_transform, hp.knn_bank_limit, hp.split_seed)
-            self._knn = (bank, dataset_view(self.val_dataset, self.eval_transform))
         if self._knn is None:
-            bank_samples = self.train_dataset.samples
-            limit = self.hparams.knn_bank_limit
-            if limit is not None and limit < len(bank_samples):
-                _, bank_samples = stratified_split(
-                    bank_samples, limit / len(bank_samples), self.hparams.split_seed
-                )
-            classes = self.train_dataset.classes
-            self._knn = (
-                ImageDataset(bank_samples, classes, self.eval_transform),
-                dataset_view(self.val_dataset, self.eval_transform),
+            hp = self.hparams
+            self._knn = knn_sets(
+                self.train_dataset, self.val_dataset, self.eval_transform, hp.knn_bank_limit, hp.split_seed
             )
         return self._knn
 
@@ -458,56 +374,26 @@ class DINODataModule(L.LightningDataModule):
         return self._augment_seed
 
     def batch_rng(self) -> np.random.Generator:
-        """The generator of the batch being transferred, seeded by (run seed, rank, stream, epoch, batch).
-
-        Why derived per batch instead of one generator whose state is checkpointed: Lightning saves the
-        checkpoint on global rank 0 and every rank loads that file, so a saved state would give every rank
-        rank 0's draws after a resume. The batch's position in the loop is the same on every rank and is
-        restored by Lightning with the loops, so a resumed run draws what the uninterrupted run drew, and ranks
-        differ by their rank (as the iBOT masks do). Validation batches draw from a stream of their own,
-        keyed by the batch's index in the pass: a validation pass leaves the training draws alone, and every
-        pass draws the same augmentations, so val/loss compares passes on equal inputs.
-        """
+        """The generator of the batch being transferred, seeded by (run seed, rank, stream, epoch, batch): see
+        ``ssl_xcit.data.transfer`` for why it is derived per batch."""
         trainer = self.trainer
         rank = trainer.global_rank if trainer is not None else 0
-        state = getattr(trainer, "state", None)
-        fn = getattr(state, "fn", None)
-        if trainer is not None and fn == "fit" and trainer.training:
-            # Lightning increments `ready` after the transfer: it is this batch's index in the epoch here.
-            batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            key = (_TRAIN_STREAM, trainer.current_epoch, batch)
-        elif (
-            trainer is not None
-            and fn in ("fit", "validate")
-            and (trainer.validating or trainer.sanity_checking)
-        ):
-            loop = trainer.fit_loop.epoch_loop.val_loop if fn == "fit" else trainer.validate_loop
-            key = (_VAL_STREAM, 0, loop.batch_progress.current.ready)
-        else:
-            key = (_OTHER_STREAM, 0, self._other_batches)
+        key = loop_position(trainer)
+        if key is None:
+            key = (OTHER_STREAM, 0, self._other_batches)
             self._other_batches += 1
         return np.random.default_rng([self.augment_seed(), rank, *key])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """With ``augment_on="device"``: the photometric augmentation of a multi-crop batch, on its device, in
-        the input dtype of the trainer's precision (bfloat16 under ``bf16-true``, float32 under ``*-mixed``)."""
-        if self.device_augment is None or not isinstance(batch, (list, tuple)) or not batch:
+        """With ``augment_on="device"``: the decode, crops and photometric augmentation of a multi-crop batch, on
+        its device (``ssl_xcit.data.transfer``)."""
+        if self.device_augment is None:
             return batch
-        crops = batch[0]
-        if isinstance(crops, CropBatch):
-            # Decode (decode_on=device) and cut the crops on the batch's device: every box and index came
-            # with the batch, so nothing is read back from the device.
-            self.decode_fallbacks += crops.fallbacks
-            images = decode_batch(crops, crops.rois.device)
-            crops = cut_crops(images, crops.rois, crops.flips, self.reader.sizes)
-        if not isinstance(crops, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in crops):
-            return batch
-        augmented = self.device_augment(crops, self.batch_rng())
-        if self.trainer is not None:
-            # Lightning converts the inputs before this hook runs, when the crops were still uint8 (and so left
-            # alone): convert the float crops now, as the precision plugin would have.
-            augmented = self.trainer.precision_plugin.convert_input(augmented)
-        return [augmented, *batch[1:]]
+        batch, fallbacks = augment_batch(
+            batch, self.reader, self.device_augment, self.batch_rng, self.trainer
+        )
+        self.decode_fallbacks += fallbacks
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"augment_seed": self.augment_seed()} if self.device_augment is not None else {}
@@ -536,24 +422,4 @@ class DINODataModule(L.LightningDataModule):
             rank_zero_warn(
                 f"{self.num_skipped} unreadable image(s) were skipped on this rank, e.g. "
                 + ", ".join(str(p) for p in paths[:5])
-            )
-
-
-class SkippedImagesLogger(L.Callback):
-    """Logs ``data/skipped_images`` (distinct unreadable files, summed over ranks) at the end of each epoch, and
-    with ``decode_on=device`` ``data/cpu_decoded_images`` (files so far decoded in the workers instead)."""
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        count = getattr(trainer.datamodule, "num_skipped", None)
-        if count is None:
-            return
-        pl_module.log("data/skipped_images", float(count), reduce_fx="sum", sync_dist=True, on_epoch=True)
-        if (
-            getattr(trainer.datamodule, "augment_on", None) == "device"
-            and trainer.datamodule.reader.decode_on == "device"
-        ):
-            # Files decode_on=device left to the workers (not a baseline RGB/grey JPEG, or EXIF-rotated).
-            fallbacks = float(trainer.datamodule.decode_fallbacks)
-            pl_module.log(
-                "data/cpu_decoded_images", fallbacks, reduce_fx="sum", sync_dist=True, on_epoch=True
             )

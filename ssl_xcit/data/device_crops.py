@@ -45,8 +45,11 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.ops import roi_align
 
 from ssl_xcit.data.crops import _TRANSPOSED_ORIENTATIONS, Crop, MultiCropGeometry
-from ssl_xcit.data.datasets import EmptyBatch
+from ssl_xcit.data.image_dataset import EmptyBatch
 from ssl_xcit.errors import UserError
+
+# Devices a copy to is left blocking, as Lightning's move_data_to_device does (MPS: pytorch issue 83015).
+_BLOCKING_DEVICE_TYPES = ("cpu", "mps")
 
 DECODE_ON = ("worker", "device")
 
@@ -186,11 +189,21 @@ class CropBatch:
         images = fn(self.images) if self.images is not None else None
         return CropBatch(images, self.encoded, self.sizes, fn(self.rois), fn(self.flips), self.fallbacks)
 
-    def to(self, device: Any, *args: Any, **kwargs: Any) -> CropBatch:
-        """Move the pixels, boxes and flips; the file bytes stay on the CPU for the batched decoder."""
-        return self._map(lambda t: t.to(device, *args, **kwargs))
+    def to(self, device: Any, *args: Any, non_blocking: bool | None = None, **kwargs: Any) -> CropBatch:
+        """Move the pixels, boxes and flips; the file bytes stay on the CPU for the batched decoder.
+
+        ``non_blocking`` defaults to True for an accelerator: Lightning's ``move_data_to_device`` passes it only
+        to plain tensors, and without it each copy of this batch makes the host wait for the GPU's queue. Not to
+        the CPU (a device-to-host copy read too early) nor MPS, the devices Lightning copies blocking too.
+        """
+        if non_blocking is None:
+            non_blocking = torch.device(device).type not in _BLOCKING_DEVICE_TYPES
+        return self._map(lambda t: t.to(device, *args, non_blocking=non_blocking, **kwargs))
 
     def pin_memory(self) -> CropBatch:
+        """Page-locked pixels, boxes and flips (the DataLoader's pin thread calls this), the tensors :meth:`to`
+        copies. The file bytes are not pinned: they are never copied by ``to``; the batched decoder reads them
+        on the host and stages them in nvJPEG's own pinned buffers."""
         return self._map(lambda t: t.pin_memory())
 
 

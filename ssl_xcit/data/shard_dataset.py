@@ -6,7 +6,8 @@ The sample list (record paths and labels, in record order) comes from ``ssl_xcit
 dataset reads no record; each record read is checked against it.
 
 A local dataset is read in place. A remote one (``s3://``, ``gs://``) is read through LitData's chunk cache
-(its default cache folder), which downloads whole chunks on first access.
+(its default cache folder), which downloads whole chunks on first access; ``storage_options`` name its endpoint
+and the like (``ssl_xcit.data.storage``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ssl_xcit.data.datasets import ImageDataset
+from ssl_xcit.data.image_dataset import ImageDataset
 from ssl_xcit.data.shards import decode_image, is_url, read_meta
 from ssl_xcit.errors import UserError
 
@@ -37,6 +38,7 @@ class ShardImageDataset(ImageDataset):
         transform: Callable | None = None,
         labelled: bool | None = None,
         records: Sequence[int] | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if getattr(transform, "read", None) is not None:
             raise TypeError(
@@ -44,7 +46,8 @@ class ShardImageDataset(ImageDataset):
                 "needs a transform of PIL images"
             )
         self.root = str(root) if is_url(root) else str(Path(root).expanduser())
-        meta = read_meta(self.root)
+        self.storage_options = dict(storage_options or {})
+        meta = read_meta(self.root, self.storage_options)
         stored = meta.pop("samples")  # kept once, as ``samples``: every DataLoader worker gets a copy
         self.meta, self.num_records = meta, len(stored)
         classes = meta["classes"]
@@ -66,7 +69,12 @@ class ShardImageDataset(ImageDataset):
         if self._stream is None or self._stream_pid != os.getpid():
             from litdata import StreamingDataset
 
-            stream = StreamingDataset(self.root)
+            from ssl_xcit.data.storage import litdata_options, storage_errors
+
+            with storage_errors(self.root, self.storage_options):
+                stream = StreamingDataset(
+                    self.root, storage_options=litdata_options(self.root, self.storage_options)
+                )
             if len(stream) != self.num_records:
                 raise UserError(
                     f"{self.root}: index.json lists {len(stream)} records, ssl_xcit_shards.json "
@@ -77,7 +85,10 @@ class ShardImageDataset(ImageDataset):
 
     def read_record(self, index: int) -> dict[str, Any]:
         """The raw record of sample ``index`` (``image`` bytes, ``label``, ``path``)."""
-        record = self._dataset()[self.records[index]]
+        from ssl_xcit.data.storage import storage_errors
+
+        with storage_errors(self.root, self.storage_options):
+            record = self._dataset()[self.records[index]]
         if record["path"] != self.samples[index][0].as_posix():
             raise RuntimeError(
                 f"{self.root}: record {self.records[index]} is {record['path']}, ssl_xcit_shards.json says "
@@ -118,6 +129,7 @@ class ShardImageDataset(ImageDataset):
             self.transform if transform == "same" else transform,
             labelled=self.labelled,
             records=[self.records[i] for i in indices],
+            storage_options=self.storage_options,
         )
 
     def files_fingerprint(self) -> str:

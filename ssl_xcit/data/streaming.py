@@ -36,12 +36,13 @@ from ssl_xcit.data.datasets import ImageDataset, UnreadableImageWarning
 from ssl_xcit.data.shard_dataset import ShardImageDataset
 from ssl_xcit.data.shards import decode_image, is_url, read_meta
 from ssl_xcit.data.splits import stratified_split
+from ssl_xcit.data.storage import litdata_options, storage_errors
 from ssl_xcit.errors import UserError
 
 
-def shard_classes(root: str | Path) -> list[str] | None:
+def shard_classes(root: str | Path, storage_options: dict[str, Any] | None = None) -> list[str] | None:
     """The class names of a prepared dataset (local or URL), None when unlabelled."""
-    classes = read_meta(root).get("classes")
+    classes = read_meta(root, storage_options).get("classes")
     return list(classes) if classes else None
 
 
@@ -55,8 +56,19 @@ class ShardTrainSet(StreamingDataset):
     ``transform``: DINO's PIL multi-crop (applied to the decoded image) or the crop reader (given the bytes).
     """
 
-    def __init__(self, root: str | Path, transform: Callable | None, seed: int) -> None:
-        super().__init__(_source(root), shuffle=True, drop_last=True, seed=seed)
+    def __init__(
+        self,
+        root: str | Path,
+        transform: Callable | None,
+        seed: int,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.storage_options = dict(storage_options or {})
+        with storage_errors(str(root), self.storage_options):
+            super().__init__(
+                _source(root), shuffle=True, drop_last=True, seed=seed,
+                storage_options=litdata_options(str(root), self.storage_options),
+            )  # fmt: skip
         self.root = str(root)
         # Not `self.transform`: StreamingDataset applies that one to the raw record itself.
         self.item_transform = transform
@@ -74,7 +86,8 @@ class ShardTrainSet(StreamingDataset):
         return int(self._bad.sum())
 
     def __getitem__(self, index: ChunkedIndex | int) -> Any:
-        record = super().__getitem__(index)
+        with storage_errors(self.root, self.storage_options):
+            record = super().__getitem__(index)
         i = index.index if isinstance(index, ChunkedIndex) else int(index)
         if bool(self._bad[i]):
             return None
@@ -94,7 +107,9 @@ class ShardTrainSet(StreamingDataset):
         return image, int(record["label"]) if self.classes is not None else -1, i
 
     def skipped_paths(self) -> list[str]:
-        reader = StreamingDataset(_source(self.root))
+        reader = StreamingDataset(
+            _source(self.root), storage_options=litdata_options(self.root, self.storage_options)
+        )
         return [reader[i]["path"] for i in self._bad.nonzero().flatten().tolist()[:5]]
 
 
@@ -197,7 +212,10 @@ def dataset_view(
         return ImageDataset(
             dataset.samples if samples is None else samples, classes or dataset.classes, transform
         )
-    view = ShardCrops(dataset.root, None, labelled=dataset.labelled, records=dataset.records)
+    view = ShardCrops(
+        dataset.root, None, labelled=dataset.labelled, records=dataset.records,
+        storage_options=dataset.storage_options,
+    )  # fmt: skip
     view.transform = transform  # after construction: ShardImageDataset refuses a reader there
     if samples is not None:
         view.samples, view.classes = [(p, int(y)) for p, y in samples], classes
@@ -211,9 +229,10 @@ def open_shards(
     labelled: bool | None,
     verify_images: bool,
     transform: Callable | None,
+    storage_options: dict[str, Any] | None = None,
 ) -> tuple[ShardTrainSet, Dataset | None]:
     """The training set of a prepared dataset (its ``classes`` set) and the val set of ``val_root`` (a prepared
-    dataset or anything ``build_dataset`` reads), before relabelling."""
+    dataset or anything ``build_dataset`` reads), before relabelling. ``storage_options`` apply to both."""
     from ssl_xcit.data.datasets import build_dataset
     from ssl_xcit.data.resumable import run_seed
 
@@ -229,20 +248,25 @@ def open_shards(
             f"verify_images decodes image files; {root} is a prepared dataset, whose unreadable records are "
             "skipped and counted while training: leave data.verify_images off"
         )
-    classes = shard_classes(root) if labelled is not False else None
+    classes = shard_classes(root, storage_options) if labelled is not False else None
     if labelled and classes is None:
         raise UserError(f"labels were requested but the prepared dataset {root} has none")
-    train = ShardTrainSet(root, transform, seed=run_seed())
+    train = ShardTrainSet(root, transform, seed=run_seed(), storage_options=storage_options)
     train.classes = classes
+    if val_root is not None and is_url(val_root):
+        return train, ShardImageDataset(val_root, storage_options=storage_options)
     return train, build_dataset(val_root) if val_root is not None else None
 
 
 def knn_bank(train: ShardTrainSet, transform: Callable, limit: int | None, seed: int) -> ShardCrops:
     """The k-NN bank: the training records with the eval transform, at most ``limit`` of them (the same
     deterministic stratified subsample as for folders; the labels come from the metadata, no record is read)."""
-    bank = ShardCrops(train.root, transform, labelled=True)
+    bank = ShardCrops(train.root, transform, labelled=True, storage_options=train.storage_options)
     if limit is not None and limit < len(bank):
         _, kept = stratified_split(bank.samples, limit / len(bank), seed)
         position = {path: i for i, (path, _) in enumerate(bank.samples)}
-        bank = ShardCrops(train.root, transform, labelled=True, records=[position[p] for p, _ in kept])
+        bank = ShardCrops(
+            train.root, transform, labelled=True, records=[position[p] for p, _ in kept],
+            storage_options=train.storage_options,
+        )  # fmt: skip
     return bank

@@ -33,6 +33,12 @@ class DINOLifecycle(LightningModule):
         self.student.train(True)
         self.teacher.train(True)
 
+    def on_fit_start(self) -> None:
+        # After a resumed run's checkpoint is restored: --model.init_from loads into fresh runs only.
+        from ssl_xcit.dino.init_from import start_from_source
+
+        start_from_source(self)
+
     def on_train_start(self) -> None:
         self._set_training_modes()
         self._build_schedules()
@@ -105,6 +111,8 @@ class DINOLifecycle(LightningModule):
         if self._trainer is None or not self._finite.pending:
             return
         found = self._finite.read(self.trainer.strategy.all_gather)
+        if self._finite.last_loss is not None:
+            self.progress_values["train/loss"] = self._finite.last_loss
         if found is None:
             return
         raise diverged(
@@ -133,9 +141,12 @@ class DINOLifecycle(LightningModule):
         self._read_finite()
         # RNG states make a resumed run draw the same crops and drop-path masks as an uninterrupted one.
         checkpoint["rng_states"] = capture_rng_states()
+        if self.init_state is not None:  # a resumed run keeps its head-only warm-up, without reading SOURCE
+            checkpoint["init_from"] = dict(self.init_state)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Restored at load time: a resumed fit creates its first data iterator before `on_train_start`, and
         # Lightning skips the sanity-check validation when restarting, so nothing draws in between.
         self._restored_progress = (int(checkpoint.get("epoch", 0)), int(checkpoint.get("global_step", 0)))
         restore_rng_states(checkpoint.get("rng_states"))
+        self.init_state = checkpoint.get("init_from")

@@ -24,13 +24,16 @@ fp16 grad scaler has unscaled the gradients, so the clip threshold is in true gr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 
 from ssl_xcit.data.datasets import EmptyBatch
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
+from ssl_xcit.dino.init_from import check_init_settings, drop_backbone_gradients, head_warmup_steps
 from ssl_xcit.dino.lifecycle import DINOLifecycle
 from ssl_xcit.dino.loss import DINOLoss
 from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
@@ -123,6 +126,10 @@ class DINO(DINOLifecycle):
             collapse guard's signals), as Lightning's ``log_every_n_steps`` (50) reads the logged values. Each
             read waits for the GPU queue to drain; a non-finite loss is then reported (and a collapse seen) up
             to this many steps late, but never saved: a checkpoint is written only after a read.
+        init_from: start a fresh fit from pretrained weights (continued pretraining): a checkpoint or export
+            of ours, an official DINO file, or ``timm:NAME[@FILE]`` (``ssl_xcit.dino.init_from``, docs/training.md).
+        init_head_warmup_steps: optimiser steps during which only the head trains after ``init_from``
+            (null: automatic, a few steps when SOURCE has no DINO head, 0 when it has one).
     """
 
     def __init__(
@@ -171,11 +178,14 @@ class DINO(DINOLifecycle):
         mask_ratio_min_max: tuple[float, float] = (0.1, 0.5),
         mask_probability: float = 0.5,
         sync_every_n_steps: int = 50,
+        init_from: str | None = None,
+        init_head_warmup_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
         check_settings(self.hparams)
+        check_init_settings(init_from, init_head_warmup_steps)
         ibot_out_dim = out_dim if ibot_out_dim is None else ibot_out_dim
         self.ibot = ibot_loss_weight > 0
         self.student, self.teacher = student_and_teacher(
@@ -223,10 +233,13 @@ class DINO(DINOLifecycle):
         # the collapse guard reads them every sync_every_n_steps steps.
         self.signal_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._finite = FiniteWatch()
+        # Host values for the progress bar (``ssl_xcit.dino.progress``), refreshed by the reads above only.
+        self.progress_values: dict[str, float] = {}
         self._agree = HostAgreement()
         self._steps_since_read = 0
         self._compiled = False
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
+        self.init_state: dict[str, Any] | None = None  # init_from's record (ssl_xcit.dino.init_from)
 
     # ------------------------------------------------------------------------------------------- training
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -275,7 +288,8 @@ class DINO(DINOLifecycle):
             masks = self.draw_masks(crops[0], seed)
         out = self.compute_losses(crops, masks, self.current_epoch, update_center=True)
         self._finite.observe(out.total, self.global_step)
-        self.manual_backward(out.total / accumulate)
+        with self._gradient_sync(window_end):
+            self.manual_backward(out.total / accumulate)
         if window_end:
             self._optimizer_step(opt, momentum)
         log_losses(self, "train", out)
@@ -320,6 +334,14 @@ class DINO(DINOLifecycle):
             )
         return crops
 
+    def _gradient_sync(self, sync: bool) -> Any:
+        """Inside a window, DDP's gradient all-reduce waits for its last micro-batch: the gradients add up
+        locally (``no_sync``) and are reduced once, which gives the same average as k reductions."""
+        strategy = self.trainer.strategy
+        if sync or not isinstance(strategy, ParallelStrategy):
+            return contextlib.nullcontext()
+        return strategy.block_backward_sync()
+
     def _optimizer_step(self, opt: Any, momentum: float) -> None:
         """Step (-> ``on_before_optimizer_step``: clipping, last-layer freeze), clear, EMA. Nothing happens
         when the window has no gradients (all its batches were skipped)."""
@@ -334,6 +356,7 @@ class DINO(DINOLifecycle):
         if self.hparams.clip_grad:
             clip_gradients(self.student, self.hparams.clip_grad)
         cancel_gradients_last_layer(self.current_epoch, self.student, self.hparams.freeze_last_layer)
+        drop_backbone_gradients(self.student, self.global_step, head_warmup_steps(self))
 
     @torch.no_grad()
     def _update_teacher(self, momentum: float) -> None:

@@ -36,6 +36,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ssl_xcit.dino import sigterm_broadcast
+
 HANDLED = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_SIGNAL = signal.SIGUSR1
 
@@ -128,6 +130,9 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install((signal.SIGTERM,))  # Lightning replaced it after setup
+        # Ours now: Lightning's per-step SIGTERM check has nothing to find.
+        if signal.getsignal(signal.SIGTERM) == self._on_signal:
+            sigterm_broadcast.silence(trainer)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -146,11 +151,13 @@ class PreemptionCheckpoint(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._finish()
+            sigterm_broadcast.restore(trainer)
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self._finish()
+        sigterm_broadcast.restore(trainer)
 
     def _finish(self) -> None:
         if self._pending is not None:

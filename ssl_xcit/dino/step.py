@@ -98,10 +98,12 @@ def compute_losses(
 
 
 def log_losses(module: LightningModule, stage: str, out: StepLosses) -> None:
-    """The step's losses and collapse signals: device tensors, which Lightning reads when it writes."""
+    """The step's losses and collapse signals: device tensors, which Lightning reads when it writes. The
+    training loss stays off Lightning's progress bar, whose values Lightning reads on every batch; DINO's bar
+    (``ssl_xcit.dino.progress``) shows the value read every ``sync_every_n_steps`` steps instead."""
     train = stage == "train"
     kw = dict(on_step=train, on_epoch=not train, sync_dist=not train, batch_size=out.batch_size)
-    module.log(f"{stage}/loss", out.total.detach(), prog_bar=True, **{**kw, "on_epoch": True})
+    module.log(f"{stage}/loss", out.total.detach(), prog_bar=not train, **{**kw, "on_epoch": True})
     module.log(f"{stage}/teacher_entropy", out.dino.teacher_entropy, **kw)
     module.log(f"{stage}/kl_to_uniform", out.dino.kl_to_uniform, **kw)
     if out.koleo is not None:

@@ -23,7 +23,9 @@ class FiniteWatch:
 
     def __init__(self) -> None:
         self._state: torch.Tensor | None = None  # (bad, first bad step, its loss), float32 on the device
+        self._last: torch.Tensor | None = None  # the last loss observed, on the device
         self.window: tuple[int, int] | None = None  # first and last step observed since the last read
+        self.last_loss: float | None = None  # the last loss (mean over the ranks) as of the last read
 
     @torch.no_grad()
     def observe(self, loss: torch.Tensor, step: int) -> None:
@@ -34,6 +36,7 @@ class FiniteWatch:
             self._state = torch.zeros_like(row)
         first = ~torch.isfinite(value) & (self._state[0] == 0)
         self._state = torch.where(first, row, self._state)
+        self._last = value
         self.window = (step if self.window is None else self.window[0], step)
 
     @property
@@ -45,13 +48,15 @@ class FiniteWatch:
     ) -> tuple[int, float, tuple[int, int]] | None:
         """``(first bad step, its loss, observed window)`` over all ranks, or None when every loss was finite.
         ``gather`` maps this rank's state to every rank's (e.g. ``strategy.all_gather``); every rank must
-        call ``read`` at the same point. One host read; the watch starts a new window."""
+        call ``read`` at the same point. One host read, which also gives ``last_loss`` (the progress bar's
+        value); the watch starts a new window."""
         if self._state is None:
             return None
-        rows = gather(self._state).reshape(-1, 3).cpu().tolist()
+        rows = gather(torch.cat((self._state, self._last.reshape(1)))).reshape(-1, 4).cpu().tolist()
+        self.last_loss = sum(row[3] for row in rows) / len(rows)
         window = self.window
-        self._state, self.window = None, None
-        bad = [(int(step), value) for flag, step, value in rows if flag]
+        self._state, self._last, self.window = None, None, None
+        bad = [(int(step), value) for flag, step, value, _ in rows if flag]
         if not bad:
             return None
         step, value = min(bad)

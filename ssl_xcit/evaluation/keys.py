@@ -48,12 +48,12 @@ def _transform_parts(transform: Any) -> list[Any]:
 def input_code_fingerprint(dataset: Any) -> str:
     """Source fingerprint of our code between an image file and the model input: the dataset class (its
     ``__getitem__`` picks the reader), the reader it calls (the transform's own ``read``, else
-    ``ssl_xcit.data.datasets.load_image``) and every transform class outside the libraries (whose code is
+    ``ssl_xcit.data.image_dataset.load_image``) and every transform class outside the libraries (whose code is
     keyed by their versions)."""
-    from ssl_xcit.data import datasets
+    from ssl_xcit.data import image_dataset
 
     transform = getattr(dataset, "transform", None)
-    reader = getattr(dataset, "decoder", None) or getattr(transform, "read", None) or datasets.load_image
+    reader = getattr(dataset, "decoder", None) or getattr(transform, "read", None) or image_dataset.load_image
     ours = [
         type(part)
         for part in _transform_parts(transform)

@@ -12,7 +12,7 @@ Image scaling convention (one rule for every benchmark, documented in docs/retri
   makes 3264x2448 Holidays photos about 8x cheaper to decode at 768 px and does not change what the network sees
   beyond the resampling filter.
 
-Decoding (EXIF orientation, JPEG draft) is ``ssl_xcit.data.datasets.load_image``, shared with training.
+Decoding (EXIF orientation, JPEG draft) is ``ssl_xcit.data.image_dataset.load_image``, shared with training.
 
 The training set (``--train-images``) may be a prepared dataset (``ssl-xcit prepare``): its records stand in for
 files as :class:`RecordRef`, decoded by the same code from the record's bytes.

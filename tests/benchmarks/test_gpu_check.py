@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ EVERY_ROW = [
     ("quickstart", "16-mixed"), ("quickstart", "bf16-mixed"), ("quickstart", "bf16-true"), ("quickstart", "32-true"),
     ("compile", "off (32-true)"), ("compile", "on (32-true)"), ("ibot", "off (32-true)"), ("ibot", "on (32-true)"),
     ("ibot", "on + compile (32-true)"), ("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"),
-    ("host syncs per step", None), ("throughput", "--ci --device cpu"), ("ddp 2 = 1 process", None),
+    ("host syncs per step", None), ("host syncs per step (progress bar on)", None), ("throughput", "--ci --device cpu"), ("ddp 2 = 1 process", None),
 ]  # fmt: skip
 
 
@@ -68,13 +69,14 @@ def test_dry_run_subset_in_process(capsys):
     gpu_check = _script()
     code = gpu_check.main(["--dry-run", "--only", "augment,sync"])
     rows = parse(capsys.readouterr().out)
-    assert len(rows) == 3 and code == 0
-    _check(
-        rows,
-        [("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"), ("host syncs per step", None)],
-    )
-    result, status = next(v for k, v in rows.items() if k[0] == "host syncs per step")
-    assert status == "skip" and re.search(r"CPU proxy, host-side tensors included: \d+ per step", result)
+    assert len(rows) == 4 and code == 0
+    syncs = [("host syncs per step", None), ("host syncs per step (progress bar on)", None)]
+    _check(rows, [("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"), *syncs])
+    for name, _ in syncs:
+        result, status = next(v for k, v in rows.items() if k[0] == name)
+        assert status == "skip" and re.search(r"CPU proxy, host-side tensors included: \d+ per step", result)
+    bar = next(k for k in rows if k[0] == "host syncs per step (progress bar on)")
+    assert bar[1].endswith("SyncedRichProgressBar")  # the recipe's bar, really on
 
 
 def test_unknown_section_is_refused():
@@ -100,3 +102,69 @@ def test_whole_dry_run_through_the_shell_script():
     result, _ = rows[next(k for k in rows if k[0] == "ddp 2 = 1 process")]
     diff = float(re.search(r"max abs diff (\S+) after 3 steps", result).group(1))
     assert diff < 1e-5
+
+
+SHELL_SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+def _bin(folder: Path, programs: dict[str, str]) -> Path:
+    """``folder`` holding ``dirname`` (the script's one external command) and each named program: a shell script
+    that runs the given interpreter (a wrapper, not a symlink: a venv's python finds its venv from its own path),
+    ``"broken"`` (a python without the project: exits 1) or ``"stub"`` (passes the import check, then prints
+    what it was asked to run). Each leaves ``NAME.ran`` in ``folder`` when called."""
+    folder.mkdir(parents=True)
+    (folder / "dirname").symlink_to(shutil.which("dirname"))
+    for name, target in programs.items():
+        body = {"broken": "exit 1", "stub": 'echo "stub $0 $*"'}.get(target, f'exec {target} "$@"')
+        path = folder / name
+        path.write_text(f"#!/bin/sh\n: > {folder / name}.ran\n{body}\n")
+        path.chmod(0o755)
+    return folder
+
+
+def _run_script(path: Path, virtual_env: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = str(path)
+    if virtual_env is not None:
+        env["VIRTUAL_ENV"] = str(virtual_env)
+    # --help: gpu_check.py imports torch, then prints its usage; nothing runs.
+    return subprocess.run(
+        ["/bin/bash", str(SHELL_SCRIPT), "--help"], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_without_PYTHON_it_runs_python3_where_only_python3_exists(tmp_path):
+    path = _bin(tmp_path / "bin", {"python3": sys.executable})
+    proc = _run_script(path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == f"gpu_check.sh: running {path / 'python3'}"
+    assert proc.stdout.startswith("usage: gpu_check.py")  # past `import torch`
+
+
+def test_the_active_venv_comes_first_then_python3_then_python(tmp_path):
+    venv = tmp_path / "venv"
+    _bin(venv / "bin", {"python": "stub"})
+    path = _bin(tmp_path / "bin", {"python3": "stub", "python": "stub"})
+    proc = _run_script(path, virtual_env=venv)
+    assert proc.stderr == f"gpu_check.sh: running {venv / 'bin' / 'python'}\n"
+    assert proc.stdout == f"stub {venv / 'bin' / 'python'} benchmarks/gpu_check.py --help\n"
+    assert not (path / "python3.ran").exists()
+    # Without a venv python3 runs; when it cannot import the project, python does.
+    assert _run_script(path).stderr == f"gpu_check.sh: running {path / 'python3'}\n"
+    broken = _bin(tmp_path / "bin2", {"python3": "broken", "python": "stub"})
+    assert (
+        _run_script(broken, virtual_env=tmp_path / "no_venv").stderr
+        == f"gpu_check.sh: running {broken / 'python'}\n"
+    )
+    assert (broken / "python3.ran").exists()
+
+
+def test_no_interpreter_with_the_project_is_one_line(tmp_path):
+    path = _bin(tmp_path / "bin", {"python3": "broken", "python": "broken"})
+    proc = _run_script(path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "gpu_check.sh: none of python3 python imports ssl_xcit and torch; activate the project's environment "
+        "or set PYTHON=/path/to/its/python"
+    ]
+    assert (path / "python3.ran").exists() and (path / "python.ran").exists()  # both were tried

@@ -109,7 +109,8 @@ def test_prepare_errors_are_one_line(tmp_path: Path, capsys) -> None:
     (tmp_path / "out" / "ssl_xcit_shards.json").unlink()
     err = _one_line_error(["prepare", str(tmp_path / "src"), str(tmp_path / "out")], capsys)
     assert (
-        "holds an interrupted `ssl-xcit prepare` (chunks, no ssl_xcit_shards.json); pass --overwrite" in err
+        "holds an interrupted `ssl-xcit prepare` (chunks, no ssl_xcit_shards.json); pass --resume to continue it "
+        "or --overwrite" in err
     )
     err = _one_line_error(["prepare", str(tmp_path / "src"), str(tmp_path / "src")], capsys)
     assert "is a folder holding other files, not a prepared dataset" in err

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +94,7 @@ def test_refuses_finished_and_interrupted_outputs(folder: Path, tmp_path: Path) 
     assert is_shard_root(out)
     with pytest.raises(UserError, match=f"has no {META_FILE}: an interrupted"):
         read_meta(out)
-    with pytest.raises(UserError, match="holds an interrupted `ssl-xcit prepare`.*--overwrite"):
+    with pytest.raises(UserError, match="holds an interrupted `ssl-xcit prepare`.*--resume.*--overwrite"):
         prepare_shards(folder, out, progress=False)
     again = prepare_shards(folder, out, overwrite=True, progress=False)
     assert again["samples"] == first["samples"] and again["id"] != first["id"]
@@ -229,66 +228,6 @@ def test_shards_feature_cache_key_changes_with_each_preparation(folder: Path, tm
 
 
 # ----------------------------------------------------------------------------------- object storage
-
-
-class FakeBucket:
-    """LitData's file-system provider interface over a local folder standing for ``s3://bucket``."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def local(self, url: str) -> Path:
-        assert url.startswith("s3://bucket/"), url
-        return self.root / url.removeprefix("s3://bucket/")
-
-    def exists(self, url: str) -> bool:
-        return self.local(url).exists()
-
-    def download_file(self, url: str, local: str) -> None:
-        Path(local).write_bytes(self.local(url).read_bytes())
-
-    def upload_file(self, local: str, url: str) -> None:
-        self.local(url).parent.mkdir(parents=True, exist_ok=True)
-        self.local(url).write_bytes(Path(local).read_bytes())
-
-    def delete_file_or_directory(self, url: str) -> None:
-        self.local(url).unlink()
-
-
-def test_prepare_and_read_meta_through_object_storage(folder: Path, tmp_path: Path, monkeypatch) -> None:
-    """The URL path of prepare and read_meta: chunks written in place by LitData (here into the fake bucket's
-    folder), the marker uploaded last, read back through the provider; an overwrite removes the old marker
-    before writing chunks."""
-    import litdata
-    from litdata.streaming import fs_provider
-
-    bucket = FakeBucket(tmp_path / "bucket")
-    monkeypatch.setattr(fs_provider, "_get_fs_provider", lambda url, storage_options=None: bucket)
-    real_optimize = litdata.optimize
-    seen = []
-
-    def optimize(*args, **kwargs):
-        seen.append(
-            (kwargs["output_dir"], kwargs["mode"], bucket.exists(f"{kwargs['output_dir']}/{META_FILE}"))
-        )
-        kwargs.update(output_dir=str(bucket.local(kwargs["output_dir"])))
-        return real_optimize(*args, **kwargs)
-
-    monkeypatch.setattr(litdata, "optimize", optimize)
-    meta = prepare_shards(folder, "s3://bucket/ds", progress=False)
-    assert read_meta("s3://bucket/ds") == meta and meta["records"] == 7
-    assert json.loads((tmp_path / "bucket" / "ds" / META_FILE).read_text()) == meta
-    with pytest.raises(UserError, match="s3://bucket/ds is already a prepared dataset"):
-        prepare_shards(folder, "s3://bucket/ds", progress=False)
-    shutil.rmtree(tmp_path / "bucket" / "ds")
-    (tmp_path / "bucket" / "ds").mkdir()
-    (tmp_path / "bucket" / "ds" / "index.json").write_text("{}")
-    with pytest.raises(UserError, match="s3://bucket/ds has no ssl_xcit_shards.json: an interrupted"):
-        read_meta("s3://bucket/ds")
-    (tmp_path / "bucket" / "ds" / "index.json").unlink()
-    prepare_shards(folder, "s3://bucket/ds", progress=False)
-    prepare_shards(folder, "s3://bucket/ds", overwrite=True, progress=False)
-    assert seen == [("s3://bucket/ds", None, False)] * 2 + [("s3://bucket/ds", "overwrite", False)]
 
 
 def test_unsupported_url_scheme_is_one_line() -> None:

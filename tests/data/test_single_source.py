@@ -22,8 +22,8 @@ def definitions(pattern: str) -> list[str]:
 def test_imagenet_statistics_extensions_and_decoder_defined_once():
     assert definitions(r"IMAGENET_MEAN\s*=") == ["data/transforms.py"]
     assert definitions(r"IMAGENET_STD\s*=") == ["data/transforms.py"]
-    assert definitions(r"""\w+\s*=\s*\(\s*["']\.jpg["']""") == ["data/datasets.py"]
-    assert definitions(r"def load_image\(") == ["data/datasets.py"]
+    assert definitions(r"""\w+\s*=\s*\(\s*["']\.jpg["']""") == ["data/folders.py"]
+    assert definitions(r"def load_image\(") == ["data/image_dataset.py"]
 
 
 def test_retrieval_uses_the_data_definitions():

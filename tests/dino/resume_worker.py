@@ -13,7 +13,8 @@ Every run records, per optimiser step, the epoch and the dataset indices of its 
 Options (``KEY=VALUE``): ``workers`` (0), ``augment`` (``cpu``), ``every`` (3), ``crash`` (7), ``epochs`` (1),
 ``batch`` (4 per process), ``accumulate`` (1), ``old`` (1: the checkpoint loses its loader position, as one
 written before the resumable loader; one process only), ``images`` (64), ``shards`` (1: train on the images
-prepared as LitData shards, 8 records a chunk; the indices are then record indices).
+prepared as LitData shards, 8 records a chunk; the indices are then record indices), ``s3`` (an ``s3://`` URL:
+with ``shards=1``, the shards are uploaded there and read from it, the endpoint and keys from the environment).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ OPTIONS = {
     "old": "0",
     "images": IMAGES,
     "shards": "0",
+    "s3": "",
 }
 
 
@@ -93,6 +95,16 @@ def make_shards(images: Path, out: Path) -> Path:
         )  # fmt: skip
         (out / META_FILE).write_text(f'{{"format": {FORMAT_VERSION}, "classes": null}}')
     return out
+
+
+def _upload(folder: Path, url: str) -> None:
+    """Every file of ``folder`` to the ``s3://`` prefix ``url`` (the metadata last, as prepare does)."""
+    from ssl_xcit.data.shards import META_FILE
+    from ssl_xcit.data.storage import provider
+
+    s3 = provider(url)
+    for path in sorted(folder.iterdir(), key=lambda p: p.name == META_FILE):
+        s3.upload_file(str(path), f"{url}/{path.name}")
 
 
 def _record(path: str) -> dict:
@@ -158,7 +170,7 @@ def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_
     )
     model = _model(opts)
     try:
-        data = out / ("shards" if opts["shards"] == "1" else "images")
+        data = opts["s3"] or out / ("shards" if opts["shards"] == "1" else "images")
         trainer.fit(model, datamodule=_datamodule(data, opts), ckpt_path=ckpt_path)
     except Crash:
         pass
@@ -182,6 +194,8 @@ def run(out_dir: str | Path, world_size: int, opts: dict) -> dict:
         make_images(out / "images", images)
         if opts["shards"] == "1":
             make_shards(out / "images", out / "shards")
+            if opts["s3"]:
+                _upload(out / "shards", opts["s3"])
         ready.touch()
     while not ready.exists():  # the other rank waits for the data (the process group does not exist yet)
         time.sleep(0.05)

@@ -198,3 +198,19 @@ def test_two_processes_on_shards_split_the_epoch_and_resume_mid_epoch_exactly(tm
     dropped = [set(range(70)) - {i for r in ranks for _, e, ids in r["full"]["seen"] if e == epoch for i in ids}
                for epoch in range(2)]  # fmt: skip
     assert [len(d) for d in dropped] == [6, 6] and dropped[0] != dropped[1]  # reshuffled each epoch
+
+
+@pytest.mark.slow  # about 60 s on 2 shared cores
+@pytest.mark.distributed
+def test_two_processes_resume_mid_epoch_exactly_from_s3(tmp_path, s3_env):
+    """The 2-process case above with the shards read over HTTP from an S3-compatible server
+    (tests/conftest.py): LitData downloads the chunks into each rank's cache, and the resumed epoch is still
+    exactly the records not yet seen."""
+    torchrun(
+        WORKER, str(tmp_path), "2", "epochs=2", "every=3", "crash=11", "images=70", "shards=1", f"s3={s3_env}",
+        timeout=400,
+    )  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in ranks:
+        _check_crash_point(r, 9)
+    _assert_exactly_once(ranks, epochs=2, images=64)

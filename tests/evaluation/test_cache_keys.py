@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from ssl_xcit.data import datasets
+from ssl_xcit.data import image_dataset
 from ssl_xcit.data.datasets import build_dataset
 from ssl_xcit.data.transforms import eval_transform
 from ssl_xcit.evaluation import cache as feature_cache
@@ -54,12 +54,12 @@ def test_the_key_changes_with_each_library_version(library, folder, monkeypatch)
 def test_the_key_changes_with_the_decoding_code(folder, monkeypatch):
     dataset = build_dataset(folder, transform=eval_transform(resize=32, crop=32))
     before = _key(dataset)
-    original = datasets.load_image
+    original = image_dataset.load_image
 
     def load_image(path, exif_transpose=True, draft=None):  # what ImageDataset.__getitem__ now calls
         return original(path, exif_transpose=False, draft=draft)
 
-    monkeypatch.setattr(datasets, "load_image", load_image)
+    monkeypatch.setattr(image_dataset, "load_image", load_image)
     assert _key(dataset) != before
 
 

@@ -4,8 +4,9 @@
 CUDA one raises ``FakeTensorDeviceMismatchError``, and reading a device value on the host (``.item()``,
 ``nonzero``, boolean-mask indexing: each a synchronisation on a real GPU) raises. The loader's crops are cut on
 the CPU in the DataLoader workers (``ssl_xcit.data.crops``) or on the device from the workers' boxes
-(``ssl_xcit.data.device_crops``), then the photometric half runs, entered through the datamodule's
-``on_after_batch_transfer`` as in training.
+(``ssl_xcit.data.device_crops``, whose batch the datamodule's ``transfer_batch_to_device`` moves, inside the
+watch), then the photometric half runs, entered through the datamodule's ``on_after_batch_transfer`` as in
+training.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.is_nonze
 
 
 class DeviceTraffic(TorchDispatchMode):
-    """Counts host-to-device copies and host reads of device values among the operators it sees."""
+    """Counts host-to-device copies (and those the host waits for: without ``non_blocking``) and host reads of
+    device values among the operators it sees."""
 
     def __init__(self) -> None:
         super().__init__()
         self.to_device: list[tuple[int, ...]] = []
+        self.blocking: list[tuple[int, ...]] = []
         self.syncs: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -48,6 +51,12 @@ class DeviceTraffic(TorchDispatchMode):
             and target.device.type == "cuda"
         ):
             self.to_device.append(tuple(source.shape))
+            if func is aten._to_copy.default:
+                non_blocking = kwargs.get("non_blocking", False)
+            else:
+                non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            if not non_blocking:
+                self.blocking.append(tuple(source.shape))
         return out
 
 
@@ -81,7 +90,8 @@ def test_device_augmentation_on_fake_cuda_copies_once_and_never_syncs(batch, siz
     assert all(isinstance(c, FakeTensor) and c.device.type == "cuda" for c in out[0])
     assert all(c.dtype == torch.float32 for c in out[0])
     # One copy of one flat buffer: parameters, indices, kernels and the normalisation constants together.
-    assert traffic.syncs == [] and len(traffic.to_device) == 1 and len(traffic.to_device[0]) == 1
+    assert traffic.syncs == [] and traffic.blocking == []
+    assert len(traffic.to_device) == 1 and len(traffic.to_device[0]) == 1
 
 
 def test_every_operation_runs_on_fake_cuda():
@@ -100,7 +110,7 @@ def test_every_operation_runs_on_fake_cuda():
         crops = [torch.zeros(4, 3, s, s, dtype=torch.uint8) for s in (32, 32, 16, 16)]
         out = augment.run(crops, plan)
     assert [c.device.type for c in out] == ["cuda"] * 4
-    assert traffic.syncs == [] and len(traffic.to_device) == 1
+    assert traffic.syncs == [] and traffic.blocking == [] and len(traffic.to_device) == 1
 
 
 @pytest.mark.parametrize("precision,dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
@@ -131,8 +141,9 @@ def test_the_parameter_copy_is_pinned_where_cuda_is_real(monkeypatch):
 
 @pytest.mark.parametrize("batch,sizes", SHAPES[:2])  # the datamodule has one local crop size
 def test_device_crops_then_augmentation_on_fake_cuda_never_sync(batch, sizes):
-    # The worker's batch (padded uint8 images, roi rows, flips) moved to (fake) CUDA by Lightning's transfer
-    # (CropBatch.to): the crops are cut and augmented there with one parameter copy and no host read.
+    # The worker's batch (padded uint8 images, roi rows, flips) moved to (fake) CUDA by the datamodule's
+    # transfer (Lightning's move_data_to_device, which calls CropBatch.to): every copy non-blocking; the crops
+    # are then cut and augmented there with one parameter copy and no host read.
     from ssl_xcit.data.device_crops import CropBatch
 
     dm = DINODataModule(
@@ -152,12 +163,14 @@ def test_device_crops_then_augmentation_on_fake_cuda_never_sync(batch, sizes):
         torch.from_numpy(rng.random(len(sizes) * batch) < 0.5),
         0,
     )
+    data = [host, torch.zeros(batch, dtype=torch.int64), torch.arange(batch)]
     traffic = DeviceTraffic()
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        data = [host.to("cuda"), torch.zeros(batch, dtype=torch.int64, device="cuda")]
-        data.append(torch.arange(batch, device="cuda"))
-        with traffic:
-            out = dm.on_after_batch_transfer(data, 0)
+    with FakeTensorMode(allow_non_fake_inputs=True), traffic:
+        out = dm.on_after_batch_transfer(dm.transfer_batch_to_device(data, torch.device("cuda"), 0), 0)
     assert [tuple(c.shape) for c in out[0]] == [(batch, 3, s, s) for s in sizes]
     assert all(isinstance(c, FakeTensor) and c.device.type == "cuda" for c in out[0])
-    assert traffic.syncs == [] and len(traffic.to_device) == 1 and len(traffic.to_device[0]) == 1
+    assert out[1].device.type == "cuda" and out[2].device.type == "cuda"
+    batch_tensors = [host.images.shape, host.rois.shape, host.flips.shape, (batch,), (batch,)]
+    assert sorted(traffic.to_device[:5]) == sorted(tuple(s) for s in batch_tensors)
+    assert len(traffic.to_device) == 6 and len(traffic.to_device[5]) == 1  # then the one parameter buffer
+    assert traffic.syncs == [] and traffic.blocking == []

@@ -22,7 +22,8 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from ssl_xcit.data.datasets import IMG_EXTENSIONS, load_image
+from ssl_xcit.data.folders import IMG_EXTENSIONS
+from ssl_xcit.data.image_dataset import load_image
 from ssl_xcit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ssl_xcit.errors import UserError
 

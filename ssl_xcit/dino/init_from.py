@@ -1,0 +1,323 @@
+"""Start a DINO run from pretrained weights: ``--model.init_from SOURCE`` (continued pretraining).
+
+SOURCE is one of
+
+* a checkpoint of ours (``.ckpt``): student, teacher, their DINO and patch heads and the loss centres;
+* the official DINO full checkpoint (``{"student", "teacher", "dino_loss", ...}``, ``module.`` prefixes);
+* any backbone-only file :func:`ssl_xcit.models.checkpoint.load_pretrained` reads: ``ssl-xcit export``
+  output (``.safetensors``, ``.pth``), DINO's ``*_pretrain.pth``, timm state dicts;
+* ``timm:NAME`` (timm's pretrained weights, downloaded by timm) or ``timm:NAME@FILE`` (the same weights from a
+  local file, read by timm through ``pretrained_cfg_overlay``).
+
+Student and teacher backbones start from SOURCE (each from its own side when SOURCE has both); the heads and
+the centres are loaded when SOURCE has them, so an official full checkpoint continues as its run would have.
+Without a head the head starts fresh, and the backbone gets no update for the first ``head_warmup_steps``
+optimiser steps (:func:`drop_backbone_gradients`): a random head's first gradients would otherwise move the
+pretrained backbone. Every tensor of the model must come from SOURCE except the fresh heads and iBOT's mask
+token (training-only, absent from released backbones); anything else that does not fit is refused in one line.
+
+This is not ``--ckpt_path``: the optimiser, the step and the schedules start fresh. The weights are loaded at
+``on_fit_start`` of a fresh run only; a run resumed with ``--ckpt_path`` keeps its checkpoint's weights and
+never reads SOURCE again.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+
+from ssl_xcit.errors import UserError
+from ssl_xcit.models.checkpoint import (
+    convert_state_dict,
+    extract_state_dict,
+    infer_architecture,
+    read_checkpoint,
+)
+from ssl_xcit.models.registry import resolve
+
+TIMM_PREFIX = "timm:"
+# Optimiser steps during which a fresh head trains alone on a pretrained backbone (init_head_warmup_steps=None).
+AUTO_HEAD_WARMUP_STEPS = 50
+# Model tensors SOURCE may lack: iBOT's mask token (training-only; released backbones have none).
+_MAY_BE_FRESH = ("mask_token",)
+_PARTS = ("backbone", "head", "patch_head")
+_CENTRES = ("dino_loss.center", "ibot_loss.center")
+
+
+@dataclass
+class InitWeights:
+    """The tensors SOURCE holds, by MultiCropWrapper part (``backbone``, ``head``, ``patch_head``) for the
+    student and the teacher, plus the loss centres; backbone keys still in SOURCE's own naming."""
+
+    label: str
+    student: dict[str, dict[str, Tensor]]
+    teacher: dict[str, dict[str, Tensor]]
+    centres: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _strip(state: Mapping[str, Tensor], prefixes: tuple[str, ...] = ("module.", "_orig_mod.")) -> dict:
+    out = {}
+    for key, value in state.items():
+        for prefix in prefixes:
+            while key.startswith(prefix):
+                key = key[len(prefix) :]
+        out[key] = value
+    return out
+
+
+def _wrapper_parts(state: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """A MultiCropWrapper state (``backbone.*``, ``head.*``, ``patch_head.*``) split by part; a bare backbone
+    state (no ``backbone.`` key) is all backbone."""
+    state = _strip(state)
+    if not any(k.startswith("backbone.") for k in state):
+        return {"backbone": state}
+    parts: dict[str, dict[str, Tensor]] = {}
+    for key, value in state.items():
+        part, _, rest = key.partition(".")
+        if part not in _PARTS:
+            raise UserError(f"unexpected key {key!r} beside backbone.* in a DINO network state")
+        parts.setdefault(part, {})[rest] = value
+    return parts
+
+
+def _is_tensor_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, Tensor) for v in obj.values())
+
+
+def weights_from_checkpoint(checkpoint: Mapping[str, Any], label: str) -> InitWeights:
+    """Sort a loaded checkpoint into :class:`InitWeights` (see the module docstring for the layouts)."""
+    state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
+    if _is_tensor_dict(state) and any(k.startswith("student.backbone.") for k in state):  # ours (Lightning)
+        sides = {
+            side: _wrapper_parts(
+                {k[len(side) + 1 :]: v for k, v in state.items() if k.startswith(side + ".")}
+            )
+            for side in ("student", "teacher")
+        }
+        centres = {k: v for k, v in state.items() if k in _CENTRES}
+        return InitWeights(label, sides["student"], sides["teacher"], centres)
+    if all(_is_tensor_dict(checkpoint.get(side)) for side in ("student", "teacher")):  # official DINO full
+        loss = checkpoint.get("dino_loss")
+        centres = {"dino_loss.center": loss["center"]} if _is_tensor_dict(loss) and "center" in loss else {}
+        student, teacher = (_wrapper_parts(checkpoint[side]) for side in ("student", "teacher"))
+        return InitWeights(label, student, teacher, centres)
+    backbone, _ = extract_state_dict(checkpoint)  # one network (a teacher's, by preference) for both sides
+    parts = _wrapper_parts(backbone)
+    return InitWeights(label, dict(parts), dict(parts))
+
+
+def timm_weights(spec: str) -> InitWeights:
+    """``NAME`` or ``NAME@FILE`` (``timm:`` removed): timm builds NAME headless (``num_classes=0``) and loads
+    its pretrained weights, from FILE when given (timm's ``pretrained_cfg_overlay``), else from timm's hub."""
+    import timm
+
+    name, _, file = spec.partition("@")
+    arch, _, tag = name.partition(".")
+    label = TIMM_PREFIX + spec
+    if not timm.is_model(arch):
+        close = difflib.get_close_matches(name, timm.list_pretrained(), n=3, cutoff=0.6)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise UserError(f"--model.init_from {label}: timm has no model {arch!r}{hint}")
+    released = timm.list_pretrained(arch + ".*")
+    if not released:  # timm would build it with random weights and a warning
+        raise UserError(f"--model.init_from {label}: timm has no pretrained weights for {arch}")
+    if tag and name not in released:
+        raise UserError(
+            f"--model.init_from {label}: timm has no weights {name!r}; its weights for {arch}: "
+            + ", ".join(released)
+        )
+    if file and not Path(file).is_file():
+        raise UserError(f"--model.init_from {label}: weights file not found: {file}")
+    overlay = {"file": file} if file else None
+    try:
+        model = timm.create_model(name, pretrained=True, num_classes=0, pretrained_cfg_overlay=overlay)
+    except RuntimeError as error:  # timm's strict load: the file holds another network
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(
+            f"--model.init_from {label}: the weights do not fit timm's {arch}: {first}"
+        ) from error
+    except Exception as error:  # noqa: BLE001 - a download refused or impossible (no network, no hub access)
+        raise UserError(
+            f"--model.init_from {label}: timm could not fetch the weights ({type(error).__name__}: "
+            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); without a network, download "
+            f"them elsewhere and pass timm:{name}@FILE"
+        ) from error
+    parts = {"backbone": model.state_dict()}
+    return InitWeights(label, parts, dict(parts))
+
+
+def read_source(source: str) -> InitWeights:
+    """The weights of SOURCE (a path or ``timm:NAME[@FILE]``); one-line ``UserError`` for a missing file."""
+    if source.startswith(TIMM_PREFIX):
+        return timm_weights(source[len(TIMM_PREFIX) :])
+    if not Path(source).is_file():
+        raise UserError(
+            f"--model.init_from {source}: file not found (a .ckpt, .safetensors or .pth, or timm:NAME[@FILE])"
+        )
+    return weights_from_checkpoint(read_checkpoint(source), source)
+
+
+def _short(keys: list[str], n: int = 4) -> str:
+    return "[" + ", ".join(keys[:n]) + (f", ... {len(keys)} in all" if len(keys) > n else "") + "]"
+
+
+def _misfit(own: Mapping[str, Tensor], got: Mapping[str, Tensor], may_lack: tuple[str, ...] = ()) -> str:
+    """'' when ``got`` fills ``own`` exactly (keys and shapes, ``may_lack`` aside), else what does not fit."""
+    missing = sorted(k for k in set(own) - set(got) if k not in may_lack)
+    unexpected = sorted(set(got) - set(own))
+    shapes = [
+        f"{k} {tuple(got[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(got))
+        if got[k].shape != own[k].shape
+    ]
+    found = []
+    if missing:
+        found.append(f"missing {_short(missing)}")
+    if unexpected:
+        found.append(f"unexpected {_short(unexpected)}")
+    if shapes:
+        found.append(f"shapes (source vs model) {_short(shapes, 3)}")
+    return "; ".join(found)
+
+
+def _describe(module: Any) -> str:
+    hp = module.hparams
+    kwargs = dict(hp.get("backbone_kwargs") or {})
+    return hp.backbone + "".join(f" with {k}={v}" for k, v in sorted(kwargs.items()))
+
+
+def _backbone_state(weights: InitWeights, side: str, module: Any) -> dict[str, Tensor]:
+    network = getattr(module, side)
+    raw = getattr(weights, side)["backbone"]
+    state, _ = convert_state_dict(raw, network.backbone)  # official names -> ours; classifier heads dropped
+    problem = _misfit(network.backbone.state_dict(), state, _MAY_BE_FRESH)
+    if problem:
+        found = infer_architecture(state)
+        held = (found[0] + "".join(f" with {k}={v}" for k, v in sorted(found[1].items()))) if found else None
+        hint = f"; it holds {held}: set --model.backbone (and backbone_kwargs) to match" if held else ""
+        raise UserError(
+            f"--model.init_from {weights.label} does not fit the {side} backbone {_describe(module)}: "
+            f"{problem}{hint}"
+        )
+    return state
+
+
+def _head_state(weights: InitWeights, side: str, part: str, module: Any) -> dict[str, Tensor] | None:
+    """SOURCE's ``part`` of ``side`` checked against the model's, or None when either has none."""
+    head: nn.Module | None = getattr(getattr(module, side), part, None)
+    got = getattr(weights, side).get(part)
+    if head is None or got is None:
+        return None
+    problem = _misfit(head.state_dict(), got)
+    if problem:
+        raise UserError(
+            f"--model.init_from {weights.label}: its {side} {part.replace('_', ' ')} does not fit the model's "
+            f"({problem}); set out_dim, head_hidden_dim, head_bottleneck_dim, head_nlayers and use_bn_in_head "
+            "as in the run that wrote it, or start from its backbone alone (ssl-xcit export)"
+        )
+    return got
+
+
+def apply_weights(module: Any, weights: InitWeights) -> dict[str, bool]:
+    """Copy ``weights`` into ``module`` (a DINO) after checking everything fits; returns which parts came
+    from SOURCE (``head``, ``patch_head``)."""
+    plan: list[tuple[nn.Module, dict[str, Tensor]]] = []
+    loaded = {"head": True, "patch_head": True}
+    for side in ("student", "teacher"):
+        network = getattr(module, side)
+        plan.append((network.backbone, _backbone_state(weights, side, module)))
+        for part in ("head", "patch_head"):
+            state = _head_state(weights, side, part, module)
+            if state is not None:
+                plan.append((getattr(network, part), state))
+            loaded[part] = loaded[part] and state is not None
+    centres = []
+    for key in _CENTRES:
+        loss_name = key.split(".")[0]
+        loss = getattr(module, loss_name, None)
+        head_part = (
+            "head" if loss_name == "dino_loss" or not hasattr(module.student, "patch_head") else "patch_head"
+        )
+        if loss is None or key not in weights.centres or not loaded[head_part]:
+            continue
+        if weights.centres[key].shape != loss.center.shape:
+            raise UserError(
+                f"--model.init_from {weights.label}: its {key} has shape {tuple(weights.centres[key].shape)}, "
+                f"the model's {tuple(loss.center.shape)}"
+            )
+        centres.append((loss.center, weights.centres[key]))
+    with torch.no_grad():
+        for target, state in plan:
+            target.load_state_dict(state, strict=False)  # checked above: only may-be-fresh keys are absent
+        for centre, value in centres:
+            centre.copy_(value)
+    loaded["centres"] = bool(centres)
+    return loaded
+
+
+def check_init_settings(init_from: str | None, init_head_warmup_steps: int | None) -> None:
+    """Refuse settings that cannot work, at construction (SOURCE itself is read when a fresh fit starts)."""
+    if init_head_warmup_steps is not None and int(init_head_warmup_steps) < 0:
+        raise UserError(
+            f"init_head_warmup_steps must be >= 0 or null (automatic), got {init_head_warmup_steps}"
+        )
+    if init_from is not None and not str(init_from).strip():
+        raise UserError("init_from must name a file or timm:NAME[@FILE], got an empty string")
+
+
+def check_timm_architecture(source: str, backbone: str) -> None:
+    """Before any download: ``timm:NAME`` must be the architecture of ``--model.backbone``."""
+    if not source.startswith(TIMM_PREFIX):
+        return
+    arch = source[len(TIMM_PREFIX) :].partition("@")[0].partition(".")[0]
+    try:
+        held = resolve(arch).name
+    except UserError:
+        return  # not one of ours: timm_weights names the model, or the key check refuses it
+    if held != resolve(backbone).name:
+        raise UserError(
+            f"--model.init_from {source} holds a {held} backbone, but --model.backbone is {backbone}: "
+            f"pass --model.backbone {held}"
+        )
+
+
+def start_from_source(module: Any) -> None:
+    """``on_fit_start``: load ``init_from`` into a fresh run (not a resumed one, not twice) and decide the
+    head-only warm-up."""
+    source = module.hparams.get("init_from")
+    if not source or module.init_state is not None or module.trainer.ckpt_path is not None:
+        return
+    check_timm_architecture(str(source), module.hparams.backbone)
+    loaded = apply_weights(module, read_source(str(source)))
+    wanted = module.hparams.get("init_head_warmup_steps")
+    steps = (0 if loaded["head"] else AUTO_HEAD_WARMUP_STEPS) if wanted is None else int(wanted)
+    module.init_state = {"source": str(source), "head_warmup_steps": steps}
+    parts = ["backbones"] + [p.replace("_", " ") + "s" for p in ("head", "patch_head") if loaded[p]]
+    parts += ["centres"] if loaded["centres"] else []
+    rank_zero_info(
+        f"init_from {source}: loaded {', '.join(parts)}"
+        + (f"; the backbone waits {steps} steps while the fresh head warms up" if steps else "")
+    )
+
+
+def head_warmup_steps(module: Any) -> int:
+    """Optimiser steps during which the student's backbone gets no update (0 without ``init_from``)."""
+    state = module.init_state
+    return 0 if state is None else int(state["head_warmup_steps"])
+
+
+def drop_backbone_gradients(student: nn.Module, step: int, warmup_steps: int) -> None:
+    """During the head-only warm-up, drop the backbone's gradients (``grad=None``: the optimiser skips the
+    tensors, weight decay included, so the backbone and, through the EMA, the teacher's stay exactly as
+    loaded)."""
+    if step >= warmup_steps:
+        return
+    for param in student.backbone.parameters():
+        param.grad = None

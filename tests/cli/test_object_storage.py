@@ -1,0 +1,82 @@
+"""Prepared datasets on an S3-compatible server over HTTP (moto's server on 127.0.0.1, tests/conftest.py):
+``prepare`` to ``s3://``, then ``fit``, ``knn`` and ``embed`` reading it, with the endpoint named by
+``AWS_ENDPOINT_URL`` and by ``storage_options``; bad storage settings end in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ssl_xcit.cli import console_main, main
+from ssl_xcit.cli.train import main as train
+
+from .conftest import tiny_config
+
+FEATURES = ["--arch", "xcit_nano_12_p16", "--resize-size", "32", "--crop-size", "32", "--batch-size", "8",
+            "--num-workers", "0", "--no-progress"]  # fmt: skip
+
+
+def test_prepare_fit_knn_embed_on_s3(s3_env, s3_server, image_folder, tmp_path, monkeypatch):
+    train_url, val_url = f"{s3_env}/train", f"{s3_env}/val"
+    # storage_options alone name the endpoint: nothing in the environment does
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    options = json.dumps({"endpoint_url": s3_server["endpoint"]})
+    summary = main(["prepare", str(image_folder / "train"), train_url, "--storage-options", options,
+                    "--chunk-bytes", "2kB", "--no-progress"])  # fmt: skip
+    assert summary["records"] == 16 and summary["shards"] > 1
+    fit = train([
+        "fit", *tiny_config(tmp_path, image_folder), f"--data.init_args.root={train_url}",
+        f"--data.init_args.storage_options={options}", "--data.init_args.val_root=null", "--trainer.max_steps=2",
+    ])  # fmt: skip
+    assert fit.trainer.global_step == 2 and fit.datamodule.train_dataset.num_records == 16
+    seen = fit.datamodule.train_dataset.classes
+    assert seen == ["class0", "class1"]
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server["endpoint"])  # from here on the environment names it
+    main(["prepare", str(image_folder / "val"), val_url, "--no-progress"])
+    cache = str(tmp_path / "cache")
+    on_s3 = main(["knn", "--train", train_url, "--val", val_url, "--k", "3", "--cache-dir", cache, *FEATURES])
+    on_disk = main(["knn", "--train", str(image_folder / "train"), "--val", str(image_folder / "val"), "--k", "3",
+                    "--cache-dir", cache, *FEATURES])  # fmt: skip
+    assert on_s3["results"] == on_disk["results"] and (on_s3["num_train"], on_s3["num_val"]) == (16, 6)
+
+    from ssl_xcit.evaluation.embedding_files import read_embeddings
+
+    main(["embed", "--data", val_url, "--output", str(tmp_path / "e.npz"), *FEATURES])
+    rows = read_embeddings(tmp_path / "e.npz")
+    assert rows["paths"] == [p.relative_to(image_folder / "val").as_posix()
+                             for p in sorted((image_folder / "val").rglob("*.jpg"))]  # fmt: skip
+
+
+def _one_line(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        console_main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        "Traceback" not in err and len(err.strip().splitlines()) == 2
+    )  # the message and the --traceback hint
+    return err.splitlines()[0]
+
+
+def test_bad_storage_settings_are_one_line(s3_env, s3_server, image_folder, monkeypatch, capsys):
+    src = str(image_folder / "val")
+    endpoint = s3_server["endpoint"]
+    err = _one_line(["knn", "--train", f"{s3_env}/nothing", "--val", src, *FEATURES], capsys)
+    assert f"{s3_env}/nothing (endpoint {endpoint}): nothing is stored under this prefix" in err
+    err = _one_line(["prepare", src, "s3://no-such-bucket/x", "--no-progress"], capsys)
+    assert f"s3://no-such-bucket/x (endpoint {endpoint}): bucket no-such-bucket does not exist" in err
+    err = _one_line(["embed", "--data", "s3://no-such-bucket/x", "--output", "e.npz", *FEATURES], capsys)
+    assert "bucket no-such-bucket does not exist; create it or correct the URL" in err
+    err = _one_line(["prepare", src, f"{s3_env}/x", "--storage-options", '{"endpoint": 1}'], capsys)
+    assert "storage options: unknown key(s) endpoint; valid: endpoint_url, region_name" in err
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    err = _one_line(["prepare", src, f"{s3_env}/x", "--no-progress"], capsys)
+    assert (
+        f"{s3_env}/x (endpoint {endpoint}): the store refused the credentials (403); check AWS_ACCESS" in err
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    err = _one_line(["prepare", src, f"{s3_env}/x", "--no-progress"], capsys)
+    assert f"{s3_env}/x (endpoint http://127.0.0.1:9): the store did not answer" in err
+    assert "check that it is up and that AWS_ENDPOINT_URL" in err
