@@ -79,6 +79,8 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit knn ", _FEATURES),
     (r"^ssl-xcit linear ", [*_FEATURES, "--epochs", "1"]),
     (r"^ssl-xcit embed ", _FEATURES),
+    (r"^ssl-xcit segment ", ["--short-side", "64", "--epochs", "1", "--batch-size", "4", "--num-workers", "0",
+                             "--no-progress"]),
     (r"^ssl-xcit prepare ", ["--no-progress"]),
     (r"^ssl-xcit fit -c eval/linear_xcit\.yaml ", [*_TRAIN, "--data.batch_size=4", "--data.num_workers=0",
                                                    "--data.crop_size=32", "--data.resize_size=32"]),
@@ -180,6 +182,12 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
     gnd = {"imlist": [f"img{i}" for i in range(1, 6)], "qimlist": ["img0"],
            "gnd": [{"bbx": [0.0, 0.0, 200.0, 200.0], "easy": [0], "hard": [1], "junk": [2]}]}  # fmt: skip
     (oxford / "gnd_roxford5k.pkl").write_bytes(pickle.dumps(gnd))
+    for split, n in (("train", 3), ("val", 2)):  # a few CamVid photos and masks, symlinked
+        for image in sorted((shared / "camvid" / split / "images").glob("*.jpg"))[:n]:
+            mask = image.parent.parent / "masks" / f"{image.stem}.png"
+            for sub, path in (("images", image), ("masks", mask)):
+                (root / "camvid" / split / sub).mkdir(parents=True, exist_ok=True)
+                (root / "camvid" / split / sub / path.name).symlink_to(path)
     # timm's ImageNet XCiT-N12/8 as its hub stores it (random values: this machine has no network)
     save_file(
         timm.create_model("xcit_nano_12_p8_224", num_classes=1000).state_dict(),
@@ -193,6 +201,7 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
     return {
         "/data/imagenet/train": f"{d}/train", "/data/imagenet/val": f"{d}/val", "imagenet/train": f"{d}/train",
         "imagenet/val": f"{d}/val", "D/train": f"{d}/train", "D/val": f"{d}/val", "my_photos/": f"{d}/train",
+        "camvid/train": str(root / "camvid" / "train"), "camvid/val": str(root / "camvid" / "val"),
         "timm:xcit_nano_12_p8_224.fb_in1k": f"timm:xcit_nano_12_p8_224.fb_in1k@{root / 'xcit_nano.safetensors'}",
         "timm:vit_small_patch16_224.dino": f"timm:vit_small_patch16_224.dino@{root / 'vit_small_dino.safetensors'}",
         "W": "teacher.safetensors", "data/roxford5k": str(oxford), "data/holidays": str(shared / "retrieval_mini" / "holidays"),
@@ -217,7 +226,19 @@ def test_pages_are_discovered_and_every_command_is_known():
     sources = {b.source for b in blocks}
     assert {"README.md", "docs/getting-started.md", "docs/training.md", "docs/pictures.md"} <= sources
     readme = [b.text for b in blocks if b.source == "README.md" and b.kind == "bash"]
-    for task in ("fit", "validate", "export", "knn", "linear", "embed", "retrieval", "visualize", "models"):
+    tasks = (
+        "fit",
+        "validate",
+        "export",
+        "knn",
+        "linear",
+        "segment",
+        "embed",
+        "retrieval",
+        "visualize",
+        "models",
+    )
+    for task in tasks:
         assert any(c.startswith(f"ssl-xcit {task} ") or c == f"ssl-xcit {task}" for c in readme), task
     assert any(b.kind == "python" and b.source == "docs/backbones.md" for b in blocks)
     for block in blocks:

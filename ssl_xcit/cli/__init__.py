@@ -5,6 +5,7 @@
     ssl-xcit export CKPT OUT.safetensors               # teacher backbone (.safetensors, .pth, .onnx, .pt2)
     ssl-xcit knn --weights W --train DIR --val DIR     # weighted k-NN on frozen features
     ssl-xcit linear --weights W --train DIR --val DIR  # linear probe
+    ssl-xcit segment --weights W --train DIR --val DIR  # linear segmentation probe (mIoU)
     ssl-xcit embed --weights W --data DIR --output E.npz  # one embedding row per image
     ssl-xcit retrieval --weights W --dataset roxford5k --data-root D --method vlad
     ssl-xcit prepare DIR OUT                           # the images as LitData shards, read by every command
@@ -27,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("ssl_xcit.cli.export", "main"),
     "knn": ("ssl_xcit.cli.knn", "main"),
     "linear": ("ssl_xcit.cli.linear", "main"),
+    "segment": ("ssl_xcit.cli.segment", "main"),
     "embed": ("ssl_xcit.cli.embed", "main"),
     "retrieval": ("ssl_xcit.cli.retrieval", "main"),
     "prepare": ("ssl_xcit.cli.prepare", "main"),

@@ -1,8 +1,9 @@
-"""Frozen-feature evaluation: weighted k-NN (DINO protocol), linear probe, and the feature cache they share.
+"""Frozen-feature evaluation: weighted k-NN (DINO protocol), linear probe, linear segmentation probe
+(``segmentation``, DINOv2's dense protocol), and the feature cache they share.
 
 Importing this package loads neither Lightning nor faiss: ``knn`` imports torch and numpy (faiss only for
 ``backend="faiss"``), ``cache`` torch and timm (timm's version is part of every cache key). ``features``
-(extraction), ``cached`` (extraction through the cache) and ``linear`` pull in Lightning and are imported on
+(extraction), ``cached`` (extraction through the cache), ``linear`` and ``segmentation`` pull in Lightning and are imported on
 use (``from ssl_xcit.evaluation.features import extract_features``); ``keys`` (the cache key), ``checks``
 (dataset checks) and ``backbone`` (the frozen backbone) do not.
 """

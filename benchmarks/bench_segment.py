@@ -1,0 +1,73 @@
+"""The linear segmentation probe on CamVid: random-init XCiT (depth cut) against raw pixels, mIoU and wall time.
+
+    python benchmarks/bench_segment.py --epochs 40
+
+Both rows probe patch tokens of stride 8 at CamVid's own 480 x 360 (``ssl-xcit segment`` defaults, DINOv2's
+linear protocol): raw pixels (each 8 x 8 patch flattened, 192 dims, ``PixelPatches``) and XCiT-N12/8 at random
+initialisation (seed 0) with its first ``--depth`` blocks. Void (id 11) is ignored. ``--limit`` keeps the first
+N images of each split, for a quick look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _subset(camvid: Path, root: Path, limit: int | None) -> tuple[Path, Path]:
+    for split in ("train", "val"):
+        for sub in ("images", "masks"):
+            (root / split / sub).mkdir(parents=True)
+        for image in sorted((camvid / split / "images").glob("*.jpg"))[:limit]:
+            os.symlink(image.resolve(), root / split / "images" / image.name)
+            mask = camvid / split / "masks" / f"{image.stem}.png"
+            os.symlink(mask.resolve(), root / split / "masks" / mask.name)
+    return root / "train", root / "val"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--camvid", type=Path, default=REPO.parent / "shared" / "data" / "camvid")
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--depth", type=int, default=4, help="XCiT-N12/8 blocks kept")
+    parser.add_argument("--short-side", type=int, default=None)
+    parser.add_argument("--limit", type=int, default=None, help="first N images per split")
+    parser.add_argument("--accelerator", default="cpu")
+    args = parser.parse_args()
+
+    import torch
+
+    from ssl_xcit.evaluation.segmentation import run_segment
+    from ssl_xcit.evaluation.segmentation.pixels import PixelPatches
+    from ssl_xcit.models import create_model
+
+    torch.manual_seed(0)
+    xcit = create_model("xcit_nano_12_p8", depth=args.depth)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        train, val = _subset(args.camvid, Path(tmp) / "data", args.limit)
+        for name, model in (
+            (f"XCiT-N12/8, {args.depth} blocks, random init", xcit),
+            ("raw pixels", PixelPatches(8)),
+        ):
+            start = time.perf_counter()
+            r = run_segment(train, val, model=model, ignore_index=11, num_classes=11, epochs=args.epochs,
+                            lr=args.lr, short_side=args.short_side, num_workers=2, accelerator=args.accelerator,
+                            cache_dir=Path(tmp) / "cache", progress=False)  # fmt: skip
+            rows.append((name, r, time.perf_counter() - start))
+    print(
+        f"\nCamVid {rows[0][1]['num_train']} train / {rows[0][1]['num_val']} val, {args.epochs} epochs, lr {args.lr}"
+    )
+    print("| features | dim | mIoU | pixel acc | wall s |\n|---|---|---|---|---|")
+    for name, r, wall in rows:
+        print(f"| {name} | {r['feature_dim']} | {r['miou']:.2f} | {r['pixel_acc']:.2f} | {wall:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
