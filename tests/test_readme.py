@@ -201,6 +201,7 @@ def _workspace(root: Path, shared: Path) -> dict[str, str]:
     return {
         "/data/imagenet/train": f"{d}/train", "/data/imagenet/val": f"{d}/val", "imagenet/train": f"{d}/train",
         "imagenet/val": f"{d}/val", "D/train": f"{d}/train", "D/val": f"{d}/val", "my_photos/": f"{d}/train",
+        "my_photo.jpg": str(train[0]),
         "camvid/train": str(root / "camvid" / "train"), "camvid/val": str(root / "camvid" / "val"),
         "timm:xcit_nano_12_p8_224.fb_in1k": f"timm:xcit_nano_12_p8_224.fb_in1k@{root / 'xcit_nano.safetensors'}",
         "timm:vit_small_patch16_224.dino": f"timm:vit_small_patch16_224.dino@{root / 'vit_small_dino.safetensors'}",
