@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -99,7 +100,7 @@ def check_gram_settings(hp: Mapping[str, Any], backbone: nn.Module) -> None:
     weight = hp.get("gram_loss_weight", 0.0)
     if not weight >= 0:
         raise UserError(f"gram_loss_weight must be >= 0 (0 disables Gram anchoring), got {weight!r}")
-    for name in ("gram_start_step", "gram_refresh_every", "gram_max_refreshes"):
+    for name in ("gram_start_step", "gram_weight_warmup_steps", "gram_refresh_every", "gram_max_refreshes"):
         value = hp.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise UserError(f"{name} must be an integer >= 0, got {value!r}")
@@ -110,13 +111,13 @@ def check_gram_settings(hp: Mapping[str, Any], backbone: nn.Module) -> None:
             f"got {scale!r}"
         )
     source = hp.get("gram_teacher")
-    if source is not None and (not isinstance(source, (str, os.PathLike)) or not str(source)):
+    # The source itself is read when a fresh fit starts (read_gram_source): a checkpoint of a run that holds
+    # its Gram teacher loads wherever the file has gone.
+    if source is not None and (not isinstance(source, (str, os.PathLike)) or not str(source).strip()):
         raise UserError(
-            f"gram_teacher must be a checkpoint path (any file --weights reads) or null for a snapshot of the "
-            f"EMA teacher at gram_start_step, got {source!r}"
+            f"gram_teacher must be a SOURCE as --model.init_from takes (a .ckpt, .safetensors or .pth, or "
+            f"timm:NAME[@FILE]) or null for a snapshot of the EMA teacher at gram_start_step, got {source!r}"
         )
-    if weight > 0 and source is not None and not os.path.isfile(source):
-        raise UserError(f"gram_teacher checkpoint not found: {source}")
     if weight > 0 and not getattr(backbone, "supports_masking", False):
         raise UserError(
             f"Gram anchoring needs the final-norm patch tokens of the student's own pass, which "
@@ -142,8 +143,8 @@ class GramTeacher(nn.Module):
         refresh_every: the Gram teacher is replaced by the EMA teacher every this many steps after
             ``start_step`` (0 = never).
         max_refreshes: at most this many replacements.
-        source: a checkpoint path (read by ``ssl_xcit.models.checkpoint.load_pretrained``, as ``--weights``), or
-            None for the snapshot.
+        source: any SOURCE ``--model.init_from`` reads, loaded by :func:`read_gram_source` when a fit starts
+            (then ``initialised``), or None for the snapshot.
         resolution_scale: 1, or 2 for the global crops at twice their side for the Gram teacher.
         remove_negative: negative similarities count as 0 (DINOv3's ``remove_neg``).
     """
@@ -191,31 +192,23 @@ class GramTeacher(nn.Module):
 
     @torch.no_grad()
     def update(self, teacher_backbone: nn.Module, step: int) -> None:
-        """Before ``step``'s forward: take the first Gram teacher (the EMA teacher's snapshot, or ``source``)
-        once ``step`` reaches ``start_step``, then replace it by the EMA teacher every ``refresh_every`` steps,
-        at most ``max_refreshes`` times. Host arithmetic and device copies only: nothing waits."""
+        """Before ``step``'s forward: take the first Gram teacher (the EMA teacher's snapshot; a ``source`` was
+        read at fit start) once ``step`` reaches ``start_step``, then replace it by the EMA teacher every
+        ``refresh_every`` steps, at most ``max_refreshes`` times. Host arithmetic and device copies only: nothing waits."""
         if step < self.start_step:
             return
         if not self.initialised:
-            if self.source is None:
-                self._copy_from(teacher_backbone)
-            else:
-                self.load_source()
+            if self.source is not None:  # read_gram_source runs at fit start; never silently the EMA teacher
+                raise RuntimeError(
+                    "the Gram teacher's source was not read before training (read_gram_source)"
+                )
+            self._copy_from(teacher_backbone)
             self.initialised = True
             return
         due = self.start_step + (self.refreshes + 1) * self.refresh_every
         if self.refresh_every > 0 and self.refreshes < self.max_refreshes and step >= due:
             self._copy_from(teacher_backbone)
             self.refreshes += 1
-
-    def load_source(self) -> None:
-        """Read ``source`` into the Gram teacher with the loader ``--weights`` uses (a UserError names a file
-        that holds another architecture)."""
-        from ssl_xcit.models.checkpoint import load_pretrained
-
-        if not os.path.isfile(self.source):
-            raise UserError(f"gram_teacher checkpoint not found: {self.source}")
-        load_pretrained(self.backbone, self.source, strict=True)
 
     def _copy_from(self, teacher_backbone: nn.Module) -> None:
         # Parameters and every buffer, the non-persistent ones too.
@@ -270,6 +263,24 @@ def build_gram_teacher(hp: Mapping[str, Any], student: nn.Module, teacher: nn.Mo
         resolution_scale=hp["gram_resolution_scale"],
         remove_negative=hp["gram_remove_negative"],
     )
+
+
+def read_gram_source(module: Any) -> None:
+    """``on_fit_start``: read the fixed Gram teacher (``gram_teacher``, any SOURCE ``--model.init_from`` reads:
+    its teacher backbone) into a run whose checkpoint does not hold it yet: a fresh run, or one resumed with the
+    term newly switched on. A one-line UserError names a SOURCE that does not fit the model's architecture."""
+    from ssl_xcit.dino.init_from import source_backbone_state
+
+    gram = module.gram_teacher
+    if gram is None or gram.source is None or gram.initialised:
+        return
+    state = source_backbone_state(
+        gram.source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
+    )
+    with torch.no_grad():
+        gram.backbone.load_state_dict(state, strict=True)
+    gram.initialised = True
+    rank_zero_info(f"gram_teacher {gram.source}: loaded its teacher backbone")
 
 
 def adapt_checkpoint_state(state: dict[str, torch.Tensor], gram_teacher: GramTeacher | None) -> None:

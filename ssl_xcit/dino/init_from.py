@@ -154,20 +154,21 @@ def timm_model(spec: str, option: str = "--model.init_from", **kwargs: Any) -> n
         ) from error
 
 
-def timm_weights(spec: str) -> InitWeights:
+def timm_weights(spec: str, option: str = "--model.init_from") -> InitWeights:
     """``NAME`` or ``NAME@FILE`` (``timm:`` removed): timm's NAME built headless (``num_classes=0``) with its
     pretrained weights (:func:`timm_model`)."""
-    parts = {"backbone": timm_model(spec, num_classes=0).state_dict()}
+    parts = {"backbone": timm_model(spec, option, num_classes=0).state_dict()}
     return InitWeights(TIMM_PREFIX + spec, parts, dict(parts))
 
 
-def read_source(source: str) -> InitWeights:
-    """The weights of SOURCE (a path or ``timm:NAME[@FILE]``); one-line ``UserError`` for a missing file."""
+def read_source(source: str, option: str = "--model.init_from") -> InitWeights:
+    """The weights of SOURCE (a path or ``timm:NAME[@FILE]``); one-line ``UserError`` for a missing file.
+    ``option`` names the setting in the errors."""
     if source.startswith(TIMM_PREFIX):
-        return timm_weights(source[len(TIMM_PREFIX) :])
+        return timm_weights(source[len(TIMM_PREFIX) :], option)
     if not Path(source).is_file():
         raise UserError(
-            f"--model.init_from {source}: file not found (a .ckpt, .safetensors or .pth, or timm:NAME[@FILE])"
+            f"{option} {source}: file not found (a .ckpt, .safetensors or .pth, or timm:NAME[@FILE])"
         )
     return weights_from_checkpoint(read_checkpoint(source), source)
 
@@ -195,26 +196,50 @@ def _misfit(own: Mapping[str, Tensor], got: Mapping[str, Tensor], may_lack: tupl
     return "; ".join(found)
 
 
-def _describe(module: Any) -> str:
-    hp = module.hparams
+def _describe(hp: Mapping[str, Any]) -> str:
     kwargs = dict(hp.get("backbone_kwargs") or {})
-    return hp.backbone + "".join(f" with {k}={v}" for k, v in sorted(kwargs.items()))
+    return hp["backbone"] + "".join(f" with {k}={v}" for k, v in sorted(kwargs.items()))
 
 
-def _backbone_state(weights: InitWeights, side: str, module: Any) -> dict[str, Tensor]:
-    network = getattr(module, side)
-    raw = getattr(weights, side)["backbone"]
-    state, _ = convert_state_dict(raw, network.backbone)  # official names -> ours; classifier heads dropped
-    problem = _misfit(network.backbone.state_dict(), state, _MAY_BE_FRESH)
+def fitted_backbone_state(
+    raw: Mapping[str, Tensor], backbone: nn.Module, what: str, arch: str, label: str
+) -> dict[str, Tensor]:
+    """``raw`` (a backbone state in any naming :func:`convert_state_dict` reads) as ``backbone``'s state dict,
+    every key and shape checked; otherwise a one-line ``UserError``: ``label`` (the setting and SOURCE) does
+    not fit ``what`` (``arch``, its architecture), the keys that differ and, when recognised, what ``raw``
+    holds."""
+    state, _ = convert_state_dict(raw, backbone)  # official names -> ours; classifier heads dropped
+    problem = _misfit(backbone.state_dict(), state, _MAY_BE_FRESH)
     if problem:
         found = infer_architecture(state)
         held = (found[0] + "".join(f" with {k}={v}" for k, v in sorted(found[1].items()))) if found else None
         hint = f"; it holds {held}: set --model.backbone (and backbone_kwargs) to match" if held else ""
-        raise UserError(
-            f"--model.init_from {weights.label} does not fit the {side} backbone {_describe(module)}: "
-            f"{problem}{hint}"
-        )
+        raise UserError(f"{label} does not fit the {what} {arch}: {problem}{hint}")
     return state
+
+
+def source_backbone_state(
+    source: str, backbone: nn.Module, hp: Mapping[str, Any], option: str, what: str
+) -> dict[str, Tensor]:
+    """The teacher backbone of SOURCE (anything ``--model.init_from`` reads: our .ckpt's teacher, an official
+    full checkpoint's teacher, a backbone file, ``timm:NAME[@FILE]``) as a state dict that fits ``backbone``,
+    built from the DINO hyperparameters ``hp``; ``option`` and ``what`` name the setting and the network in
+    the one-line errors."""
+    check_timm_architecture(source, hp["backbone"], option)
+    weights = read_source(source, option)
+    return fitted_backbone_state(
+        weights.teacher["backbone"], backbone, what, _describe(hp), f"{option} {source}"
+    )
+
+
+def _backbone_state(weights: InitWeights, side: str, module: Any) -> dict[str, Tensor]:
+    return fitted_backbone_state(
+        getattr(weights, side)["backbone"],
+        getattr(module, side).backbone,
+        f"{side} backbone",
+        _describe(module.hparams),
+        f"--model.init_from {weights.label}",
+    )
 
 
 def _head_state(weights: InitWeights, side: str, part: str, module: Any) -> dict[str, Tensor] | None:
@@ -280,7 +305,7 @@ def check_init_settings(init_from: str | None, init_head_warmup_steps: int | Non
         raise UserError("init_from must name a file or timm:NAME[@FILE], got an empty string")
 
 
-def check_timm_architecture(source: str, backbone: str) -> None:
+def check_timm_architecture(source: str, backbone: str, option: str = "--model.init_from") -> None:
     """Before any download: ``timm:NAME`` must be the architecture of ``--model.backbone``."""
     if not source.startswith(TIMM_PREFIX):
         return
@@ -291,7 +316,7 @@ def check_timm_architecture(source: str, backbone: str) -> None:
         return  # not one of ours: timm_weights names the model, or the key check refuses it
     if held != resolve(backbone).name:
         raise UserError(
-            f"--model.init_from {source} holds a {held} backbone, but --model.backbone is {backbone}: "
+            f"{option} {source} holds a {held} backbone, but --model.backbone is {backbone}: "
             f"pass --model.backbone {held}"
         )
 

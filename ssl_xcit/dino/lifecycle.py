@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.dino.checkpointing import last_checkpoint
-from ssl_xcit.dino.gram import adapt_checkpoint_state
+from ssl_xcit.dino.gram import adapt_checkpoint_state, read_gram_source
 from ssl_xcit.dino.optim import build_optimizer, get_params_groups
 from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
@@ -36,10 +36,12 @@ class DINOLifecycle(LightningModule):
         self.teacher.train(True)
 
     def on_fit_start(self) -> None:
-        # After a resumed run's checkpoint is restored: --model.init_from loads into fresh runs only.
+        # After a resumed run's checkpoint is restored: --model.init_from loads into fresh runs only, and a
+        # fixed Gram teacher is read only when the checkpoint does not already hold it.
         from ssl_xcit.dino.init_from import start_from_source
 
         start_from_source(self)
+        read_gram_source(self)
 
     def on_train_start(self) -> None:
         self._set_training_modes()

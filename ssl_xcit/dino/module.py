@@ -131,11 +131,18 @@ class DINO(DINOLifecycle):
         gram_start_step: the optimiser step from which the term counts; the EMA teacher of that step becomes the
             Gram teacher (DINOv3: 1M of 1.2M iterations, once dense quality peaked). 0 would anchor to the
             untrained initialisation: set it where dense quality is still good.
+        gram_weight_warmup_steps: steps over which the term's weight rises linearly from 0 at
+            ``gram_start_step`` to ``gram_loss_weight``. DINOv3's 7B run ramps to 2.0 over 1k iterations, to
+            spare a student that has trained 1M iterations without the term a sudden new gradient; its
+            high-resolution adaptation starts at its constant 1.5. 0 (default): the full weight at once; a
+            snapshot of the run's own EMA teacher is close to the student, so the term starts small anyway (a
+            fixed ``gram_teacher`` from elsewhere is where a ramp matters).
         gram_refresh_every: steps between replacements of the Gram teacher by the EMA teacher (0 = never, the
             default, as DINOv3's high-resolution adaptation; its 7B run refreshed every 10k iterations).
         gram_max_refreshes: at most this many replacements (3, as DINOv3's 7B run).
-        gram_teacher: a checkpoint path (any file ``--weights`` reads) holding the Gram teacher, used from
-            ``gram_start_step``; None (default) snapshots the EMA teacher at that step.
+        gram_teacher: a fixed Gram teacher, used from ``gram_start_step``: any SOURCE ``init_from`` reads (its
+            teacher backbone), read when a fresh fit starts and then carried by the run's checkpoints; None
+            (default) snapshots the EMA teacher at that step.
         gram_resolution_scale: 2 gives the Gram teacher the global crops at twice their side (upsampled
             bicubically) and resizes its patch features bicubically to the student's grid, as DINOv3's
             high-resolution Gram teacher; 1 (default) costs no extra compute.
@@ -198,6 +205,7 @@ class DINO(DINOLifecycle):
         mask_probability: float = 0.5,
         gram_loss_weight: float = 0.0,
         gram_start_step: int = 0,
+        gram_weight_warmup_steps: int = 0,
         gram_refresh_every: int = 0,
         gram_max_refreshes: int = 3,
         gram_teacher: str | None = None,
@@ -341,7 +349,15 @@ class DINO(DINOLifecycle):
         """Gram anchoring's snapshot or refresh before ``step``'s forward, and the step's weight (host only)."""
         if self.gram_teacher is not None:
             self.gram_teacher.update(self.teacher.backbone, step)
-            self.gram_weight_now = self.gram_teacher.weight_at(step)
+        self.gram_weight_now = self._gram_weight(step)
+
+    def _gram_weight(self, step: int) -> float:
+        """The Gram term's weight at ``step``: the precomputed ramp while fitting, the full weight from
+        ``gram_start_step`` outside a fit (as the iBOT weight); 0 without a Gram teacher held."""
+        gram = self.gram_teacher
+        if gram is None or not gram.initialised:
+            return 0.0
+        return gram.weight_at(step) if self.schedules is None else self.schedules.gram_weight_at(step)
 
     # The last step's collapse signals as floats, for callbacks and benchmarks: reading waits for the device.
     @property
@@ -422,8 +438,7 @@ class DINO(DINOLifecycle):
         crops = self._readable_crops(batch, skip_single_view=True)
         if crops is None:
             return None
-        if self.gram_teacher is not None:
-            self.gram_weight_now = self.gram_teacher.weight_at(self.trained_step)
+        self.gram_weight_now = self._gram_weight(self.trained_step)
         masks = None
         if self.ibot:  # a stream of its own (the trailing 1): validation never replays a training draw
             seed = [torch.initial_seed() % 2**63, self.global_rank, self.trained_step, batch_idx, 1]

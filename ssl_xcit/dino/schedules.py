@@ -67,12 +67,20 @@ class Schedules(NamedTuple):
     total_batch: int
     peak_lr: float
     ibot_weight: np.ndarray | None = None  # the patch term's weight per iteration (None: iBOT off)
+    gram_weight: np.ndarray | None = None  # the Gram term's weight per iteration (None: Gram anchoring off)
 
     def ibot_weight_at(self, step: int) -> float:
         """The patch term's weight at optimiser ``step`` (its last value past the planned length)."""
         if self.ibot_weight is None:
             return 0.0
         return float(self.ibot_weight[min(step, len(self.ibot_weight) - 1)])
+
+    def gram_weight_at(self, step: int) -> float:
+        """The Gram term's scheduled weight at optimiser ``step`` (its last value, the full weight, past the
+        planned length); the module also needs a Gram teacher held."""
+        if self.gram_weight is None:
+            return 0.0
+        return float(self.gram_weight[min(step, len(self.gram_weight) - 1)])
 
     def at(self, step: int) -> tuple[float, float, float]:
         """(lr, weight decay, teacher momentum) at optimiser ``step``; a run extended past its planned length
@@ -115,6 +123,12 @@ def dino_schedules(
         ibot_weight=linear_warmup(
             hp.get("ibot_loss_weight", 0.0), hp.get("ibot_weight_warmup_epochs", 0.0), epochs, iters
         ),
+        gram_weight=gram_ramp(
+            hp.get("gram_loss_weight", 0.0),
+            hp.get("gram_start_step", 0),
+            hp.get("gram_weight_warmup_steps", 0),
+            epochs * iters,
+        ),
     )
 
 
@@ -124,6 +138,20 @@ def linear_warmup(value: float, warmup_epochs: float, epochs: int, iters_per_epo
     ramp = min(len(schedule), round(warmup_epochs * iters_per_epoch))
     if ramp > 0:
         schedule[:ramp] = value * np.arange(ramp) / ramp
+    return schedule
+
+
+def gram_ramp(value: float, start_step: int, warmup_steps: int, total_steps: int) -> np.ndarray | None:
+    """The Gram term's weight per iteration: 0 before ``start_step``, then rising linearly from 0 to ``value``
+    over ``warmup_steps`` (as :func:`linear_warmup`; 0: ``value`` at once), then ``value``. At least one entry
+    past the ramp, so a term that starts after the planned run, or a run extended past it, reads ``value``.
+    None when ``value`` is 0 (the term is off)."""
+    if not value > 0:
+        return None
+    schedule = np.full(max(total_steps, start_step + warmup_steps + 1), float(value))
+    schedule[:start_step] = 0.0
+    if warmup_steps > 0:
+        schedule[start_step : start_step + warmup_steps] = value * np.arange(warmup_steps) / warmup_steps
     return schedule
 
 
