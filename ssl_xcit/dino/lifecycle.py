@@ -62,7 +62,8 @@ class DINOLifecycle(LightningModule):
             self._set_training_modes()
 
     def configure_model(self) -> None:
-        world_size = self.trainer.world_size  # Lightning calls this hook with the trainer attached
+        # DINO.load_from_checkpoint calls this hook too, with no trainer: one process.
+        world_size = self._trainer.world_size if self._trainer is not None else 1
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
             self.student = convert_sync_batchnorm(self.student)
             self.teacher = convert_sync_batchnorm(self.teacher)

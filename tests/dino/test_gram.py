@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
@@ -120,22 +121,147 @@ def test_snapshot_then_refreshes_on_schedule():
     assert not any(p.requires_grad for p in gram.parameters())
 
 
-def test_a_checkpoint_source_is_read_with_the_weights_loader(tmp_path):
+def _teacher_differs(model):
+    """``model`` with its teacher moved away from its student, so a source read from the wrong side shows."""
+    with torch.no_grad():
+        for p in model.teacher.backbone.parameters():
+            p.add_(0.5)
+    return model
+
+
+def _our_ckpt(path):
+    source = _teacher_differs(tiny(ibot_loss_weight=1.0))  # its teacher has no mask token, its student does
+    torch.save({"state_dict": source.state_dict()}, path)
+    return source.teacher.backbone.state_dict()
+
+
+def _official_full(path):
+    source = _teacher_differs(tiny())
+    sides = {
+        side: {f"module.{k}": v for k, v in getattr(source, side).state_dict().items()}
+        for side in ("student", "teacher")
+    }
+    torch.save({**sides, "dino_loss": {"center": torch.zeros(1, 64)}, "epoch": 3}, path)
+    return source.teacher.backbone.state_dict()
+
+
+@pytest.mark.parametrize("write", [_our_ckpt, _official_full], ids=["our-ckpt", "official-full"])
+def test_a_fixed_gram_teacher_is_the_sources_teacher_backbone(write, tmp_path):
+    from ssl_xcit.dino.gram import read_gram_source
+
+    want = write(tmp_path / "gram.pth")
+    model = tiny(gram_loss_weight=1.0, gram_start_step=2, gram_teacher=str(tmp_path / "gram.pth"))
+    assert not model.gram_teacher.initialised
+    read_gram_source(model)
+    gram = model.gram_teacher
+    assert gram.initialised and gram.weight_at(1) == 0.0 and gram.weight_at(2) == 1.0
+    for key, value in gram.backbone.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=key)
+    gram.update(model.teacher.backbone, 2)  # start_step: the source stays, no snapshot of the EMA teacher
+    assert _equal(
+        _params(gram.backbone), [want[k] for k in gram.backbone.state_dict() if "num_batches" not in k]
+    )
+
+
+def test_a_fixed_gram_teacher_from_timm_weights_in_a_local_file(tmp_path):
+    import timm
+    from safetensors.torch import save_file
+
+    from ssl_xcit.dino.gram import read_gram_source
+
+    torch.manual_seed(6)
+    released = timm.create_model("xcit_nano_12_p16_224", num_classes=1000)  # as timm's hub stores it
+    save_file(released.state_dict(), tmp_path / "model.safetensors")
+    source = f"timm:xcit_nano_12_p16_224.fb_in1k@{tmp_path / 'model.safetensors'}"
+    model = tiny(backbone="xcit_nano_12_p16", backbone_kwargs={}, gram_loss_weight=1.0, gram_teacher=source)
+    read_gram_source(model)
+    want = released.state_dict()
+    for key, value in model.gram_teacher.backbone.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_gram_teacher_that_does_not_fit_is_one_line(tmp_path):
+    from ssl_xcit.dino.gram import read_gram_source
     from ssl_xcit.models import create_model
 
-    source = create_model("xcit_nano_12_p8", depth=1)
-    torch.save(
-        {"state_dict": {f"teacher.backbone.{k}": v for k, v in source.state_dict().items()}},
-        tmp_path / "gram.ckpt",
-    )
-    model = tiny(gram_loss_weight=1.0, gram_teacher=str(tmp_path / "gram.ckpt"), ibot_loss_weight=1.0)
-    model.gram_teacher.update(model.teacher.backbone, 0)
-    assert _equal(_params(model.gram_teacher.backbone), _params(source))
-    other = create_model("vit_tiny_patch16_224", depth=1)
-    torch.save(other.state_dict(), tmp_path / "vit.pth")
-    wrong = tiny(gram_loss_weight=1.0, gram_teacher=str(tmp_path / "vit.pth"))
-    with pytest.raises(UserError, match="vit"):
-        wrong.gram_teacher.update(wrong.teacher.backbone, 0)
+    torch.save(create_model("vit_tiny_patch16_224", depth=1).state_dict(), tmp_path / "vit.pth")
+    for source, expected in [
+        (
+            tmp_path / "vit.pth",
+            f"--model.gram_teacher {tmp_path / 'vit.pth'} does not fit the Gram teacher backbone "
+            "xcit_nano_12_p8 with depth=1: missing [",
+        ),
+        (tmp_path / "gone.ckpt", f"--model.gram_teacher {tmp_path / 'gone.ckpt'}: file not found"),
+        (
+            "timm:vit_tiny_patch16_224",
+            "--model.gram_teacher timm:vit_tiny_patch16_224 holds a vit_tiny_patch16_224",
+        ),
+    ]:
+        model = tiny(gram_loss_weight=1.0, gram_teacher=str(source))  # construction never reads it
+        with pytest.raises(UserError) as err:
+            read_gram_source(model)
+        assert "\n" not in str(err.value) and expected in str(err.value)
+        assert not model.gram_teacher.initialised
+
+
+def test_a_resumed_run_needs_no_gram_teacher_file(tmp_path):
+    """The fixed Gram teacher is read at a fresh fit's start and rides the checkpoints: neither
+    ``DINO.load_from_checkpoint`` nor a resumed fit reads the file, which may be gone."""
+    from conftest import tiny_loader, tiny_trainer
+
+    from ssl_xcit.dino.module import DINO
+
+    want = _our_ckpt(tmp_path / "gram.ckpt")
+    opts = dict(gram_loss_weight=1.0, gram_start_step=1, gram_teacher=str(tmp_path / "gram.ckpt"))
+    record = _GramState()
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[record]).fit(tiny(**opts), tiny_loader(n=8, batch_size=4))
+    source = [want[k] for k in tiny(**opts).gram_teacher.backbone.state_dict() if "num_batches" not in k]
+    assert [s[:2] for s in record.states] == [(1, True), (2, True)] and _equal(record.states[-1][3], source)
+    (tmp_path / "gram.ckpt").unlink()
+
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    loaded = DINO.load_from_checkpoint(last)
+    assert loaded.gram_teacher.initialised and _equal(_params(loaded.gram_teacher.backbone), source)
+    after = _GramState()
+    trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[after])
+    trainer.fit(tiny(**opts), tiny_loader(n=8, batch_size=4), ckpt_path=last)
+    assert [s[:2] for s in after.states] == [(3, True), (4, True)] and _equal(after.states[0][3], source)
+
+
+def test_the_gram_weight_ramp_per_iteration():
+    from ssl_xcit.dino.schedules import dino_schedules, gram_ramp
+
+    np.testing.assert_array_equal(gram_ramp(2.0, 2, 4, 10), [0, 0, 0, 0.5, 1, 1.5, 2, 2, 2, 2])
+    np.testing.assert_array_equal(gram_ramp(2.0, 2, 0, 6), [0, 0, 2, 2, 2, 2])  # 0: constant from the start
+    assert gram_ramp(0.0, 2, 4, 10) is None
+    late = gram_ramp(1.0, 9, 2, 10)  # starts after the planned run: still ramps, then holds the weight
+    np.testing.assert_array_equal(late, [0] * 9 + [0, 0.5, 1])
+    hp = {**tiny(gram_loss_weight=2.0).hparams, "gram_start_step": 1, "gram_weight_warmup_steps": 4}
+    s = dino_schedules(hp, epochs=2, batches=3, per_device_batch=4, world_size=1)
+    assert [s.gram_weight_at(i) for i in range(8)] == [0, 0, 0.5, 1, 1.5, 2, 2, 2]
+    assert dino_schedules(tiny().hparams, 2, 3, 4, 1).gram_weight_at(5) == 0.0
+
+
+def test_the_step_uses_the_ramped_weight():
+    from ssl_xcit.dino.schedules import dino_schedules
+
+    torch.manual_seed(0)
+    model = tiny(drop_path_rate=0.0, gram_loss_weight=2.0, gram_start_step=1, gram_weight_warmup_steps=4)
+    model.schedules = dino_schedules(model.hparams, epochs=1, batches=8, per_device_batch=2, world_size=1)
+    crops = [torch.randn(2, 3, s, s) for s in (32, 32, 16, 16)]
+    off = model.compute_losses(crops, None, 0, update_center=False)
+    model._update_gram_teacher(1)  # the snapshot, at weight 0: no term yet
+    assert model.gram_teacher.initialised and model.gram_weight_now == 0.0
+    assert model.compute_losses(crops, None, 0, update_center=False).gram is None
+    with torch.no_grad():  # a student away from the snapshot: a term worth weighing
+        for p in model.student.backbone.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    off = model.compute_losses(crops, None, 0, update_center=False)
+    model._update_gram_teacher(3)
+    assert model.gram_weight_now == 1.0  # 2.0 * (3 - 1) / 4
+    on = model.compute_losses(crops, None, 0, update_center=False)
+    assert float(on.gram) > 0
+    torch.testing.assert_close(on.total, off.total + 1.0 * on.gram)
 
 
 @pytest.mark.parametrize(
@@ -146,9 +272,10 @@ def test_a_checkpoint_source_is_read_with_the_weights_loader(tmp_path):
         (dict(gram_loss_weight=1.0, gram_start_step=-5), "gram_start_step must be an integer >= 0"),
         (dict(gram_loss_weight=1.0, gram_refresh_every=1.5), "gram_refresh_every must be an integer"),
         (
-            dict(gram_loss_weight=1.0, gram_teacher="/nonexistent/gram.ckpt"),
-            "gram_teacher checkpoint not found",
+            dict(gram_loss_weight=1.0, gram_weight_warmup_steps=-1),
+            "gram_weight_warmup_steps must be an integer",
         ),
+        (dict(gram_loss_weight=1.0, gram_teacher=" "), "gram_teacher must be a SOURCE as --model.init_from"),
         (
             dict(gram_loss_weight=1.0, backbone="bixt_ti_l64_p16", backbone_kwargs={"depth": 2}),
             "Gram anchoring needs .* bixt backbones .*xcit, vit, cait",
