@@ -237,6 +237,12 @@ class Distill(DINO):
             raise UserError(
                 "init_from does not apply to distillation: the student starts fresh (set --model.teacher)"
             )
+        if float(kwargs.get("gram_loss_weight", 0.0)) > 0:
+            # The frozen teacher already anchors the student's patch tokens; the step computes no Gram term.
+            raise UserError(
+                f"gram_loss_weight does not apply to distillation, got {kwargs['gram_loss_weight']}: set it to 0 "
+                "(the frozen teacher anchors the patch tokens)"
+            )
         frozen = read_teacher(teacher)
         ibot = float(kwargs.get("ibot_loss_weight", 0.0)) > 0
         if objective == "dino":

@@ -153,3 +153,10 @@ def test_bad_teachers_are_one_line(teacher, objective, expected, tmp_path):
     with pytest.raises(UserError, match=expected) as err:
         Distill(teacher=source, objective=objective, **STUDENT)
     assert "\n" not in str(err.value)
+
+
+def test_gram_anchoring_is_refused_in_one_line():
+    # Refused before the teacher is read: the distillation step has no Gram term to train.
+    with pytest.raises(UserError, match="gram_loss_weight does not apply to distillation, got 1.0") as err:
+        Distill(teacher="unused.ckpt", objective="features", gram_loss_weight=1.0, **STUDENT)
+    assert "\n" not in str(err.value)
