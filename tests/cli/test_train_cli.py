@@ -22,7 +22,8 @@ def test_every_recipe_parses(recipe, capsys):
         main(["fit", "-c", str(recipe), "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
-    assert "ssl_xcit.dino.module.DINO" in printed and "DINODataModule" in printed
+    module = "ssl_xcit.dino.distill.Distill" if recipe.name == "distill.yaml" else "ssl_xcit.dino.module.DINO"
+    assert module in printed and "DINODataModule" in printed
 
 
 def test_s12_8_recipe_builds_the_published_model(tmp_path):
@@ -133,14 +134,20 @@ def test_export_errors_are_clear(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(tmp_path / "missing.ckpt"), str(tmp_path / "out.pth")])
     assert exit_info.value.code == 2 and "missing.ckpt does not exist" in capsys.readouterr().err
-    no_teacher = tmp_path / "student_only.ckpt"
-    torch.save(
-        {"state_dict": {"student.backbone.cls_token": torch.zeros(1)}, "hyper_parameters": {}}, no_teacher
-    )
+    no_backbone = tmp_path / "heads_only.ckpt"
+    torch.save({"state_dict": {"student.head.w": torch.zeros(1)}, "hyper_parameters": {}}, no_backbone)
     with pytest.raises(SystemExit):
-        export_main([str(no_teacher), str(tmp_path / "out.pth")])
+        export_main([str(no_backbone), str(tmp_path / "out.pth")])
     err = capsys.readouterr().err
     assert "no teacher backbone" in err and "student" in err
+    # A student-only checkpoint is a distillation run's: its student exports, once its backbone is named.
+    student_only = tmp_path / "student_only.ckpt"
+    torch.save(
+        {"state_dict": {"student.backbone.cls_token": torch.zeros(1)}, "hyper_parameters": {}}, student_only
+    )
+    with pytest.raises(SystemExit):
+        export_main([str(student_only), str(tmp_path / "out.pth")])
+    assert "does not record its backbone name" in capsys.readouterr().err
     assert not (tmp_path / "out.pth").exists()
 
 
