@@ -163,6 +163,20 @@ def _collate():
     return collate_skip_none
 
 
+def predict_trainer(accelerator: str, devices: Any, precision: Any, progress: bool) -> pl.Trainer:
+    """A Trainer for one inference pass over frozen weights: no logs, no checkpoints."""
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=progress,
+        enable_model_summary=False,
+        inference_mode=True,
+    )
+
+
 def extract_features(
     model: nn.Module,
     dataset: Dataset,
@@ -222,16 +236,7 @@ def run_extraction(
     extractor = FeatureExtractor(model, config)
     if extractor_hook is not None:
         extractor_hook(extractor)
-    trainer = pl.Trainer(
-        accelerator=accelerator,
-        devices=devices,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=progress,
-        enable_model_summary=False,
-        inference_mode=True,
-    )
+    trainer = predict_trainer(accelerator, devices, precision, progress)
     trainer.predict(extractor, dataloaders=loader, return_predictions=False)
     assert extractor.result is not None
     return extractor.result, trainer.is_global_zero

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation import cache as feature_cache
+from ssl_xcit.evaluation.features import predict_trainer
 from ssl_xcit.evaluation.keys import feature_meta
 
 __all__ = ["DENSE_EXTRACTION_VERSION", "DenseFeature", "dense_tokens", "split_dense_features"]
@@ -125,16 +126,7 @@ def extract_dense(
         dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=_collate_lists
     )
     extractor = DenseExtractor(backbone, layers)
-    trainer = pl.Trainer(
-        accelerator=accelerator,
-        devices=1,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=progress,
-        enable_model_summary=False,
-        inference_mode=True,
-    )
+    trainer = predict_trainer(accelerator, 1, precision, progress)
     trainer.predict(extractor, dataloaders=loader, return_predictions=False)
     order = sorted(extractor.parts)
     tokens = torch.cat([extractor.parts[i][0] for i in order])
