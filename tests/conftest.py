@@ -92,6 +92,43 @@ def s3_server():
 
 
 @pytest.fixture
+def s3_server_process(s3_env, monkeypatch):
+    """A second S3-compatible server, in a process of its own so that a test can kill it (closing every
+    connection, as a store that goes down does), with bucket ``bucket`` and no authentication; ``s3_env``'s
+    environment points at it. Yields the ``subprocess.Popen``, with its ``endpoint`` set."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"moto's server did not start on port {port}") from None
+            time.sleep(0.05)
+    server.endpoint = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    boto3.client("s3", endpoint_url=server.endpoint, region_name=S3_REGION).create_bucket(Bucket="bucket")
+    yield server
+    server.kill()
+    server.wait()
+
+
+@pytest.fixture
 def s3_env(s3_server, monkeypatch, tmp_path, request):
     """The environment of a user of ``s3_server``: its endpoint and key in ``AWS_*`` variables, no AWS files,
     LitData's chunk cache under ``tmp_path``, 2 attempts per request. Yields an ``s3://bucket/...`` prefix of
