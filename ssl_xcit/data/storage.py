@@ -180,11 +180,15 @@ def _error_code(err: BaseException) -> str:
     return ""
 
 
-def _request(text: str) -> str:
-    """``"(GET URL) "`` from obstore's or boto3's message of a failed request, else ``"(MESSAGE) "``."""
+def _request(err: BaseException, text: str) -> str:
+    """``"(GET URL) "`` from obstore's message of a failed request, ``"(URL) "`` from botocore's, else
+    ``"(MESSAGE) "``."""
     found = re.search(r"Error performing (\w+ \S+)", text)
     if found:
         return f"({found.group(1)}) "
+    kwargs = getattr(err, "kwargs", None)  # botocore keeps the request's URL here
+    if isinstance(kwargs, dict) and kwargs.get("endpoint_url"):
+        return f"({kwargs['endpoint_url']}) "
     return f"({text[:120]}) "
 
 
@@ -220,7 +224,7 @@ def explain(err: BaseException, url: str, options: Mapping[str, Any] | None = No
         type(err).__name__ == "GenericError" and "error sending request" in text
     ):
         return UserError(
-            f"{where}: the store did not answer {_request(text)}after {max_attempts()} attempts; check that "
+            f"{where}: the store did not answer {_request(err, text)}after {max_attempts()} attempts; check that "
             "it is up and that AWS_ENDPOINT_URL or the storage options' endpoint_url names it"
         )
     if type(err).__name__ == "GenericError" and "builder error" in text:
