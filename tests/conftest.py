@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,6 +60,26 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 S3_REGION = "us-east-1"
 
 
+def _share_botocore_models() -> None:
+    """Parse each of botocore's JSON models once per test process. LitData makes a boto3 session for every
+    client, and each session parses them again (~0.5 s of a loaded 2-core machine per client, most of an
+    object-storage test's time). botocore already hands one parsed model to every client of a session."""
+    import botocore.loaders
+
+    load = botocore.loaders.JSONFileLoader.load_file
+    if getattr(load, "shared", False):
+        return
+    parsed: dict[str, Any] = {}
+
+    def load_file(self, file_path):
+        if file_path not in parsed:
+            parsed[file_path] = load(self, file_path)
+        return parsed[file_path]
+
+    load_file.shared = True
+    botocore.loaders.JSONFileLoader.load_file = load_file
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """An S3-compatible server (moto's server mode) on 127.0.0.1 at a free port, with bucket ``bucket`` and
@@ -72,6 +93,7 @@ def s3_server():
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    _share_botocore_models()
     # The 4 set-up calls below run unauthenticated; every later request must be signed with the user's key.
     moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = 4
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
