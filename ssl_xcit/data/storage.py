@@ -46,7 +46,8 @@ S3_OPTION_KEYS = (
 DEFAULT_MAX_ATTEMPTS = 5
 # Longest time obstore keeps retrying one chunk request (its default is 3 minutes).
 CHUNK_RETRY_SECONDS = 60
-# LitData versions whose obstore store is built without ``allow_http`` and read it from this module dict.
+# LitData versions whose obstore store is built without ``allow_http`` (read from a module dict) and with
+# obstore's default retries (built by ``_build_obstore_s3_store``, looked up by name): both patches check it.
 HTTP_PATCHED_LITDATA = ("0.2.76",)
 
 
