@@ -13,6 +13,8 @@ printed). Per dataset and reader:
   and resized to 64 x 64 (a minimal transform: the reading, not the augmentation, is what differs);
 
 both the median of ``--repeats`` passes, folder and shards taking turns;
+- images/s ratio per pass: shards over folder in each pair of adjacent passes, lowest and highest. The
+  machine the benchmark was written on is shared, and this range says how much one pass pair can mislead;
 - bytes per image: from file sizes, not I/O counters (the page cache is warm and shared with other jobs): a
   folder reads each file whole; shards read whole chunks, so it is the chunk files' total (records, their
   offset tables and headers) over the records, and files opened per epoch is chunks against files.
@@ -166,19 +168,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for runs in passes.values()
         )
         (f_bytes, f_files), (s_bytes, s_files) = folder_bytes(folder), shard_bytes(shards)
+        pairs = [s[1] / f[1] for f, s in zip(passes["folder"], passes["shards"], strict=True)]
         rows.append(dict(name=name, prepare=prepare_s, first=(f_first, s_first), rate=(f_rate, s_rate),
-                         bytes=(f_bytes, s_bytes), files=(f_files, s_files)))  # fmt: skip
+                         pairs=(min(pairs), max(pairs)), bytes=(f_bytes, s_bytes), files=(f_files, s_files)))  # fmt: skip
     print(
         f"workers {args.workers}, batch {args.batch}, {args.batches} batches timed, median of {args.repeats} "
         "passes; folder / shards (ratio)"
     )
     head = f"{'dataset':<16} {'prepare s':>9} | {'first batch s':>22} | {'images/s per worker':>26} | "
+    head += f"{'ratio per pass':>14} | "
     print(head + f"{'bytes per image':>26} | {'files per epoch':>16}")
     for r in rows:
         prepare = f"{r['prepare']:.1f}" if r["prepare"] is not None else "reused"
         cells = [
             f"{r['first'][0]:6.2f} / {r['first'][1]:6.2f} ({r['first'][0] / r['first'][1]:4.1f}x)",
             f"{r['rate'][0]:7.0f} / {r['rate'][1]:7.0f} ({r['rate'][1] / r['rate'][0]:4.2f}x)",
+            f"{r['pairs'][0]:.2f}-{r['pairs'][1]:.2f}x".rjust(14),
             f"{r['bytes'][0]:8.0f} / {r['bytes'][1]:8.0f} ({r['bytes'][1] / r['bytes'][0]:4.2f}x)",
             f"{r['files'][0]:7d} / {r['files'][1]:6d}",
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,6 +60,26 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 S3_REGION = "us-east-1"
 
 
+def _share_botocore_models() -> None:
+    """Parse each of botocore's JSON models once per test process. LitData makes a boto3 session for every
+    client, and each session parses them again (~0.5 s of a loaded 2-core machine per client, most of an
+    object-storage test's time). botocore already hands one parsed model to every client of a session."""
+    import botocore.loaders
+
+    load = botocore.loaders.JSONFileLoader.load_file
+    if getattr(load, "shared", False):
+        return
+    parsed: dict[str, Any] = {}
+
+    def load_file(self, file_path):
+        if file_path not in parsed:
+            parsed[file_path] = load(self, file_path)
+        return parsed[file_path]
+
+    load_file.shared = True
+    botocore.loaders.JSONFileLoader.load_file = load_file
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """An S3-compatible server (moto's server mode) on 127.0.0.1 at a free port, with bucket ``bucket`` and
@@ -72,6 +93,7 @@ def s3_server():
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    _share_botocore_models()
     # The 4 set-up calls below run unauthenticated; every later request must be signed with the user's key.
     moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = 4
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -89,6 +111,43 @@ def s3_server():
     key = iam.create_access_key(UserName="ssl-xcit")["AccessKey"]
     yield {"endpoint": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
     server.stop()
+
+
+@pytest.fixture
+def s3_server_process(s3_env, monkeypatch):
+    """A second S3-compatible server, in a process of its own so that a test can kill it (closing every
+    connection, as a store that goes down does), with bucket ``bucket`` and no authentication; ``s3_env``'s
+    environment points at it. Yields the ``subprocess.Popen``, with its ``endpoint`` set."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"moto's server did not start on port {port}") from None
+            time.sleep(0.05)
+    server.endpoint = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    boto3.client("s3", endpoint_url=server.endpoint, region_name=S3_REGION).create_bucket(Bucket="bucket")
+    yield server
+    server.kill()
+    server.wait()
 
 
 @pytest.fixture

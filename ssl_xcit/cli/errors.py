@@ -78,11 +78,23 @@ def user_error(err: BaseException) -> BaseException | None:
     return None
 
 
+# torch re-raises an error of a DataLoader worker (or its pin-memory thread) as the same type whose message
+# is this line followed by the worker's traceback, which ends with "module.Type: the original message".
+_WORKER_WRAPPED = re.compile(r"Caught (\w+) in (DataLoader worker process \d+|pin memory thread)")
+
+
 def short_message(err: BaseException) -> str:
-    """The first line of ``err``'s message (jsonargparse appends the whole parsed namespace after it)."""
+    """The first line of ``err``'s message (jsonargparse appends the whole parsed namespace after it); for an
+    error re-raised from a DataLoader worker, the first line of the worker's own message."""
     text = str(err).strip() or type(err).__name__
     if isinstance(err, KeyError) and len(err.args) == 1:
         text = str(err.args[0])
+    wrapped = _WORKER_WRAPPED.match(text)
+    if wrapped:
+        name = re.escape(wrapped.group(1))
+        original = list(re.finditer(rf"^(?:[\w.]+\.)?{name}: (.+)$", text, flags=re.MULTILINE))
+        if original:
+            return original[-1].group(1).strip()
     return text.splitlines()[0]
 
 

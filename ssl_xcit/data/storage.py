@@ -10,7 +10,9 @@ Two things of LitData's S3 path are changed here:
 
 - **Retries.** LitData's boto3 client retries 1,000 times (``adaptive``), so a store that stops answering
   hangs a run for hours. The client gets ``AWS_MAX_ATTEMPTS`` attempts instead (default 5, boto3's
-  ``standard`` mode), then the error names the URL and the endpoint.
+  ``standard`` mode), then the error names the URL and the endpoint. Chunks are downloaded by obstore,
+  whose store LitData builds with obstore's default retries (10, for up to 3 minutes) whatever boto3's are;
+  :func:`bound_chunk_retries` gives that store the same ``AWS_MAX_ATTEMPTS`` (same version check).
 - **http:// endpoints.** LitData 0.2.76's obstore store passes the endpoint but not ``allow_http``, and obstore
   refuses a plain-HTTP endpoint ("HTTP error: builder error"), which in-cluster MinIO and Ceph gateways often
   are. :func:`allow_http_endpoints` adds ``allow_http`` to LitData's obstore client options. It lets obstore
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -41,7 +44,10 @@ S3_OPTION_KEYS = (
     "use_ssl",
 )
 DEFAULT_MAX_ATTEMPTS = 5
-# LitData versions whose obstore store is built without ``allow_http`` and read it from this module dict.
+# Longest time obstore keeps retrying one chunk request (its default is 3 minutes).
+CHUNK_RETRY_SECONDS = 60
+# LitData versions whose obstore store is built without ``allow_http`` (read from a module dict) and with
+# obstore's default retries (built by ``_build_obstore_s3_store``, looked up by name): both patches check it.
 HTTP_PATCHED_LITDATA = ("0.2.76",)
 
 
@@ -76,11 +82,24 @@ def litdata_options(url: str, options: Mapping[str, Any] | None) -> dict[str, An
     if str(url).startswith("s3://"):
         from botocore.config import Config
 
-        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS))
         options["config"] = Config(
-            retries={"mode": "standard", "total_max_attempts": attempts}, connect_timeout=10, read_timeout=60
+            retries={"mode": "standard", "total_max_attempts": max_attempts()},
+            connect_timeout=10,
+            read_timeout=60,
         )
     return options
+
+
+def max_attempts() -> int:
+    """Attempts per storage request: ``AWS_MAX_ATTEMPTS`` (as boto3 reads it), default 5."""
+    value = os.environ.get("AWS_MAX_ATTEMPTS", "")
+    try:
+        attempts = int(value) if value else DEFAULT_MAX_ATTEMPTS
+    except ValueError:
+        attempts = 0
+    if attempts < 1:
+        raise UserError(f"AWS_MAX_ATTEMPTS={value!r}: give a whole number of attempts >= 1 (default 5)")
+    return attempts
 
 
 def allow_http_endpoints() -> bool:
@@ -94,6 +113,39 @@ def allow_http_endpoints() -> bool:
     if "allow_http" not in options:
         # A new dict, not an update: the store reads the module attribute each time it is built.
         downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": "true"}
+    return True
+
+
+def bound_chunk_retries() -> bool:
+    """Give LitData's obstore chunk store ``AWS_MAX_ATTEMPTS`` attempts (module doc); True when it applies."""
+    import litdata
+    from litdata.streaming import downloader
+
+    build = getattr(downloader, "_build_obstore_s3_store", None)
+    if litdata.__version__ not in HTTP_PATCHED_LITDATA or build is None:
+        return False
+    if getattr(build, "bounded_retries", False):
+        return True
+
+    def bounded(bucket: str, s3_client: Any) -> Any:
+        from datetime import timedelta
+
+        from obstore.store import S3Store
+
+        store = build(bucket, s3_client)
+        # S3Store takes its retries only when built; the rest of LitData's settings are carried over.
+        return S3Store(
+            config=store.config,
+            client_options=store.client_options,
+            credential_provider=store.credential_provider,
+            retry_config={
+                "max_retries": max_attempts() - 1,
+                "retry_timeout": timedelta(seconds=CHUNK_RETRY_SECONDS),
+            },
+        )
+
+    bounded.bounded_retries = True  # type: ignore[attr-defined]
+    downloader._build_obstore_s3_store = bounded  # looked up by name each time a store is built
     return True
 
 
@@ -129,6 +181,18 @@ def _error_code(err: BaseException) -> str:
     return ""
 
 
+def _request(err: BaseException, text: str) -> str:
+    """``"(GET URL) "`` from obstore's message of a failed request, ``"(URL) "`` from botocore's, else
+    ``"(MESSAGE) "``."""
+    found = re.search(r"Error performing (\w+ \S+)", text)
+    if found:
+        return f"({found.group(1)}) "
+    kwargs = getattr(err, "kwargs", None)  # botocore keeps the request's URL here
+    if isinstance(kwargs, dict) and kwargs.get("endpoint_url"):
+        return f"({kwargs['endpoint_url']}) "
+    return f"({text[:120]}) "
+
+
 def explain(err: BaseException, url: str, options: Mapping[str, Any] | None = None) -> UserError | None:
     """A one-line :class:`UserError` for a storage failure of ``url`` that bad settings or an unreachable store
     cause (naming the URL, the endpoint and the fix); None for anything else."""
@@ -161,9 +225,8 @@ def explain(err: BaseException, url: str, options: Mapping[str, Any] | None = No
         type(err).__name__ == "GenericError" and "error sending request" in text
     ):
         return UserError(
-            f"{where}: the store did not answer ({text[:120]}) after {os.environ.get('AWS_MAX_ATTEMPTS', DEFAULT_MAX_ATTEMPTS)} "
-            "attempts; check that it is up and that AWS_ENDPOINT_URL or the storage options' endpoint_url "
-            "names it"
+            f"{where}: the store did not answer {_request(err, text)}after {max_attempts()} attempts; check that "
+            "it is up and that AWS_ENDPOINT_URL or the storage options' endpoint_url names it"
         )
     if type(err).__name__ == "GenericError" and "builder error" in text:
         return UserError(
@@ -220,4 +283,6 @@ def missing_dataset(url: str, name: str, options: Mapping[str, Any] | None = Non
     return None
 
 
-allow_http_endpoints()  # at import, so that DataLoader and LitData workers (spawned too) have it
+# At import, so that DataLoader and LitData workers (spawned too) have them.
+allow_http_endpoints()
+bound_chunk_retries()

@@ -23,5 +23,6 @@ def test_tiny_run_prints_a_row_per_dataset(tmp_path, shared_data, capsys):
     meta = json.loads((tmp_path / "ukbench_40_shards" / "ssl_xcit_shards.json").read_text())
     assert rows[0]["bytes"][1] == meta["bytes"] / 40 > rows[0]["bytes"][0]  # records plus chunk overhead
     assert all(r["rate"][0] > 0 and r["rate"][1] > 0 for r in rows)
+    assert all(r["pairs"][0] == r["pairs"][1] == r["rate"][1] / r["rate"][0] for r in rows)  # one pass each
     out = capsys.readouterr().out
     assert out.count("\n") == 4 and "ukbench x40" in out and "32px x400" in out

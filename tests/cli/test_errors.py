@@ -218,3 +218,22 @@ def test_user_error_is_a_value_error():
 
     with pytest.raises(UserError, match="unknown model 'xcit_bogus'"):
         create_model("xcit_bogus")
+
+
+class _RaisesInWorker(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int):
+        try:
+            raise OSError("connection refused")
+        except OSError as err:
+            raise UserError("s3://bucket/train: the store did not answer\nsecond line") from err
+
+
+def test_a_user_error_in_a_dataloader_worker_is_its_own_first_line(monkeypatch, capsys):
+    # torch re-raises it in the main process as "Caught UserError in DataLoader worker process 0." + traceback
+    loader = torch.utils.data.DataLoader(_RaisesInWorker(), num_workers=1)
+    monkeypatch.setattr("ssl_xcit.cli.main", lambda argv: next(iter(loader)))
+    err = _fails(["fit"], capsys)
+    assert err.splitlines()[0] == "ssl-xcit fit: error: s3://bucket/train: the store did not answer"
