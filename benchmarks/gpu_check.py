@@ -167,7 +167,6 @@ def sync_row(check: Check, progress_bar: bool = False) -> Row:
     step in ``k`` syncs, ``k`` being the logging interval (and ``sync_every_n_steps`` where DINO has it). With
     ``progress_bar``, the recipe's bar is on (the other row turns it off, as the throughput benchmark does)."""
     import lightning as L
-    import yaml
     from lightning.pytorch.loggers import CSVLogger
 
     from ssl_xcit.data.datamodule import DINODataModule
@@ -175,12 +174,7 @@ def sync_row(check: Check, progress_bar: bool = False) -> Row:
 
     counter = _load("sync_count").SyncCounter(skip=2)
     k, measured = 4, 4 if check.dry else 12
-    recipe = yaml.safe_load(RECIPE.read_text())
-    model_kw, data_kw = recipe["model"]["init_args"], {**recipe["data"]["init_args"], "augment_on": "device"}
-    if check.dry:
-        model_kw = {**model_kw, "backbone_kwargs": {"depth": 1}, "out_dim": 64, "warmup_epochs": 0}
-        data_kw = {**data_kw, "root": str(check.tmp / "images"), "batch_size": 4, "num_workers": 0,
-                   "persistent_workers": False, "global_crops_size": 32, "local_crops_size": 16}  # fmt: skip
+    model_kw, data_kw = _quickstart_kwargs(check)
     setting = f"after 2 steps, {measured} steps, logging every {k}"
     bar = _recipe_progress_bar() if progress_bar else None
     if "sync_every_n_steps" in inspect.signature(DINO).parameters:  # only where the module has the setting
