@@ -101,7 +101,9 @@ class TeacherTargets(nn.Module):
         """Adds the teacher rows to the window of the centre's next move, and makes that move now (an EMA step
         towards the window's mean row over all processes) unless ``defer_center``."""
         rows = teacher_output.detach().float()
-        # dtype given: a fill takes the default dtype, which a precision plugin may have made a half one.
+        # torch.full, not torch.tensor([...], device=...): a fill kernel is queued, a host-to-device copy of a
+        # Python list waits for the GPU queue to drain. dtype given: a fill takes the default dtype, which a
+        # precision plugin may have made a half one.
         count = torch.full((1,), float(rows.shape[0]), device=rows.device, dtype=torch.float32)
         row_sum = rows.sum(dim=0, keepdim=True)
         if self._window is None:
@@ -191,18 +193,6 @@ class DINOLoss(TeacherTargets):
         if update and self.centering == "ema":
             self.update_center(teacher_output)
         return DINOLossOutput(loss, entropy, kl_uniform)
-
-
-@torch.no_grad()
-def ema_center_(center: torch.Tensor, teacher_output: torch.Tensor, momentum: float) -> None:
-    """``center`` <- momentum * center + (1 - momentum) * mean row of ``teacher_output`` over all processes.
-    A process with no rows still takes part in the all-reduce (it adds nothing)."""
-    # torch.full, not torch.tensor([...], device=...): a fill kernel is queued, a host-to-device copy of a
-    # Python list waits for the GPU queue to drain.
-    count = torch.full(
-        (1,), float(teacher_output.shape[0]), device=teacher_output.device, dtype=torch.float32
-    )
-    ema_center_from_sums_(center, teacher_output.float().sum(dim=0, keepdim=True), count, momentum)
 
 
 @torch.no_grad()
