@@ -38,6 +38,7 @@ from ssl_xcit.models.checkpoint import (
     convert_state_dict,
     extract_state_dict,
     infer_architecture,
+    is_tensor_dict,
     read_checkpoint,
 )
 from ssl_xcit.models.registry import resolve
@@ -87,14 +88,10 @@ def _wrapper_parts(state: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
     return parts
 
 
-def _is_tensor_dict(obj: Any) -> bool:
-    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, Tensor) for v in obj.values())
-
-
 def weights_from_checkpoint(checkpoint: Mapping[str, Any], label: str) -> InitWeights:
     """Sort a loaded checkpoint into :class:`InitWeights` (see the module docstring for the layouts)."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
-    if _is_tensor_dict(state) and any(k.startswith("student.backbone.") for k in state):  # ours (Lightning)
+    if is_tensor_dict(state) and any(k.startswith("student.backbone.") for k in state):  # ours (Lightning)
         # A distillation checkpoint (ssl_xcit.dino.distill) saves no teacher: its student stands for both.
         has_teacher = any(k.startswith("teacher.") for k in state)
         sides = {
@@ -106,9 +103,9 @@ def weights_from_checkpoint(checkpoint: Mapping[str, Any], label: str) -> InitWe
         sides.setdefault("teacher", sides["student"])
         centres = {k: v for k, v in state.items() if k in _CENTRES}
         return InitWeights(label, sides["student"], sides["teacher"], centres)
-    if all(_is_tensor_dict(checkpoint.get(side)) for side in ("student", "teacher")):  # official DINO full
+    if all(is_tensor_dict(checkpoint.get(side)) for side in ("student", "teacher")):  # official DINO full
         loss = checkpoint.get("dino_loss")
-        centres = {"dino_loss.center": loss["center"]} if _is_tensor_dict(loss) and "center" in loss else {}
+        centres = {"dino_loss.center": loss["center"]} if is_tensor_dict(loss) and "center" in loss else {}
         student, teacher = (_wrapper_parts(checkpoint[side]) for side in ("student", "teacher"))
         return InitWeights(label, student, teacher, centres)
     backbone, _ = extract_state_dict(checkpoint)  # one network (a teacher's, by preference) for both sides

@@ -134,7 +134,8 @@ def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, A
         raise UserError(f"cannot read checkpoint {path}: {error}") from error
 
 
-def _is_tensor_dict(obj: Any) -> bool:
+def is_tensor_dict(obj: Any) -> bool:
+    """A non-empty mapping of tensors: a state dict, as opposed to a checkpoint that holds one."""
     return isinstance(obj, Mapping) and len(obj) > 0 and all(isinstance(v, Tensor) for v in obj.values())
 
 
@@ -146,13 +147,13 @@ def extract_state_dict(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Tensor]
         name = hparams["backbone"]
     state: Any = checkpoint
     for _ in range(3):  # containers can nest, e.g. {"state_dict": {"teacher.backbone.x": ...}}
-        if _is_tensor_dict(state):
+        if is_tensor_dict(state):
             break
         key = next((k for k in _CONTAINERS if isinstance(state, Mapping) and k in state), None)
         if key is None:
             break
         state = state[key]
-    if not _is_tensor_dict(state):
+    if not is_tensor_dict(state):
         keys = list(checkpoint)[:10] if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
         raise UserError(
             f"no state dict found in checkpoint (top-level keys: {keys}); expected a tensor dict or one under "
