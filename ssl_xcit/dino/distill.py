@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from ssl_xcit.dino.head import DINOHead
 from ssl_xcit.dino.ibot import MaskedPatches
-from ssl_xcit.dino.init_from import TIMM_PREFIX, read_source, timm_model
+from ssl_xcit.dino.init_from import TIMM_PREFIX, read_source_file, timm_model, weights_from_checkpoint
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.module import DINO
 from ssl_xcit.dino.step import NUM_GLOBAL_CROPS, StepLosses
@@ -141,7 +141,7 @@ def _timm_teacher(spec: str) -> nn.Module:
 
 def read_teacher(source: str | None) -> FrozenTeacher:
     """The frozen teacher of SOURCE (see the module docstring); one-line ``UserError`` for a bad source."""
-    from ssl_xcit.models.checkpoint import build_backbone
+    from ssl_xcit.models.checkpoint import backbone_from_checkpoint
 
     source = "" if source is None else str(source).strip()
     if not source:
@@ -150,9 +150,10 @@ def read_teacher(source: str | None) -> FrozenTeacher:
         model = _timm_teacher(source[len(TIMM_PREFIX) :])
         size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))[-1]
         return FrozenTeacher(model, source, probe_size=int(size))
-    weights = read_source(source)  # a one-line error for a missing or unreadable file
+    checkpoint = read_source_file(source, _OPTION)  # a one-line error for a missing or unreadable file
+    weights = weights_from_checkpoint(checkpoint, source)
     try:
-        backbone = build_backbone(source)
+        backbone = backbone_from_checkpoint(checkpoint, source)  # the file is read once, however large
     except UserError as error:
         raise UserError(f"{_OPTION} {source}: {error}") from error
     heads = {

@@ -163,11 +163,16 @@ def read_source(source: str, option: str = "--model.init_from") -> InitWeights:
     ``option`` names the setting in the errors."""
     if source.startswith(TIMM_PREFIX):
         return timm_weights(source[len(TIMM_PREFIX) :], option)
+    return weights_from_checkpoint(read_source_file(source, option), source)
+
+
+def read_source_file(source: str, option: str = "--model.init_from") -> Mapping[str, Any]:
+    """The checkpoint in the file SOURCE; one-line ``UserError`` for a missing file."""
     if not Path(source).is_file():
         raise UserError(
             f"{option} {source}: file not found (a .ckpt, .safetensors or .pth, or timm:NAME[@FILE])"
         )
-    return weights_from_checkpoint(read_checkpoint(source), source)
+    return read_checkpoint(source)
 
 
 def _short(keys: list[str], n: int = 4) -> str:

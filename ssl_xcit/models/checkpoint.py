@@ -335,7 +335,13 @@ def build_backbone(
         if name is None:
             raise UserError("build_backbone needs a model name when no weights are given")
         return create_model(name, **overrides)
-    checkpoint = read_checkpoint(weights, trust)
+    return backbone_from_checkpoint(read_checkpoint(weights, trust), weights, name, **overrides)
+
+
+def backbone_from_checkpoint(
+    checkpoint: Mapping[str, Any], weights: str | os.PathLike, name: str | None = None, **overrides
+) -> Backbone:
+    """:func:`build_backbone` from a checkpoint already read (``weights`` names it in errors)."""
     state, hinted = extract_state_dict(checkpoint)
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
     hinted_kwargs = dict((hparams or {}).get("backbone_kwargs") or {}) if hinted else {}
