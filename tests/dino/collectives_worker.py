@@ -82,7 +82,11 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.save({"syncbn": syncbn(rank), "host_group": gloo_group(rank)}, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    dist.barrier()  # both ranks' results are on disk
+    # The gloo group ``gloo_group`` fails to open on purpose can abort a process in its C++ teardown
+    # ("terminate called without an active exception": once in a full CI run, after both files were written,
+    # never in 18 runs of this worker alone). Leave without running destructors; what the test reads is saved.
+    os._exit(0)
 
 
 if __name__ == "__main__":
