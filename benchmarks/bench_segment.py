@@ -1,16 +1,20 @@
 """The linear segmentation probe on CamVid: random-init XCiT (depth cut) against raw pixels, mIoU and wall time.
 
     python benchmarks/bench_segment.py --epochs 40
+    python benchmarks/bench_segment.py --weights dino=runs/dino.pth --weights gram=runs/gram.pth --no-baselines
 
 Both rows probe patch tokens of stride 8 at CamVid's own 480 x 360 (``ssl-xcit segment`` defaults, DINOv2's
 linear protocol): raw pixels (each 8 x 8 patch flattened, 192 dims, ``PixelPatches``) and XCiT-N12/8 at random
-initialisation (seed 0) with its first ``--depth`` blocks. Void (id 11) is ignored. ``--limit`` keeps the first
-N images of each split, for a quick look.
+initialisation (seed 0) with its first ``--depth`` blocks. ``--weights NAME=PATH`` adds a row per trained
+backbone (any file ``ssl-xcit segment --weights`` takes), probed the same way; ``--no-baselines`` leaves out the
+two rows above (curves over many checkpoints). Void (id 11) is ignored. ``--limit`` keeps the first N images of
+each split, for a quick look; ``--json`` appends one line per row.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -30,7 +34,7 @@ def _subset(camvid: Path, root: Path, limit: int | None) -> tuple[Path, Path]:
     return root / "train", root / "val"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--camvid", type=Path, default=REPO.parent / "shared" / "data" / "camvid")
     parser.add_argument("--epochs", type=int, default=40)
@@ -39,7 +43,16 @@ def main() -> None:
     parser.add_argument("--short-side", type=int, default=None)
     parser.add_argument("--limit", type=int, default=None, help="first N images per split")
     parser.add_argument("--accelerator", default="cpu")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--weights", action="append", default=[], metavar="NAME=PATH", help="a trained backbone"
+    )
+    parser.add_argument("--no-baselines", action="store_true", help="skip the random-init and raw-pixel rows")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--json", type=Path, default=None, help="append one JSON line per row to this file")
+    args = parser.parse_args(argv)
+    weights = [item.split("=", 1) for item in args.weights]
+    if any(len(pair) != 2 for pair in weights):
+        parser.error(f"--weights takes NAME=PATH, got {args.weights}")
 
     import torch
 
@@ -47,17 +60,22 @@ def main() -> None:
     from ssl_xcit.evaluation.segmentation.pixels import PixelPatches
     from ssl_xcit.models import create_model
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    xcit = create_model("xcit_nano_12_p8", depth=args.depth)
+    models: list[tuple[str, dict]] = [(name, {"weights": path}) for name, path in weights]
+    if not args.no_baselines:
+        xcit = create_model("xcit_nano_12_p8", depth=args.depth)
+        models += [
+            (f"XCiT-N12/8, {args.depth} blocks, random init", {"model": xcit}),
+            ("raw pixels", {"model": PixelPatches(8)}),
+        ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         train, val = _subset(args.camvid, Path(tmp) / "data", args.limit)
-        for name, model in (
-            (f"XCiT-N12/8, {args.depth} blocks, random init", xcit),
-            ("raw pixels", PixelPatches(8)),
-        ):
+        for name, source in models:
             start = time.perf_counter()
-            r = run_segment(train, val, model=model, ignore_index=11, num_classes=11, epochs=args.epochs,
+            r = run_segment(train, val, **source, ignore_index=11, num_classes=11, epochs=args.epochs,
                             lr=args.lr, short_side=args.short_side, num_workers=2, accelerator=args.accelerator,
                             cache_dir=Path(tmp) / "cache", progress=False)  # fmt: skip
             rows.append((name, r, time.perf_counter() - start))
@@ -67,6 +85,16 @@ def main() -> None:
     print("| features | dim | mIoU | pixel acc | wall s |\n|---|---|---|---|---|")
     for name, r, wall in rows:
         print(f"| {name} | {r['feature_dim']} | {r['miou']:.2f} | {r['pixel_acc']:.2f} | {wall:.0f} |")
+    results = [
+        {"name": name, "miou": r["miou"], "pixel_acc": r["pixel_acc"], "per_class_iou": r["per_class_iou"],
+         "feature_dim": r["feature_dim"], "wall_s": wall, "epochs": args.epochs, "lr": args.lr,
+         "short_side": args.short_side, "limit": args.limit}
+        for name, r, wall in rows
+    ]  # fmt: skip
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in results)
+    return results
 
 
 if __name__ == "__main__":

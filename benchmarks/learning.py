@@ -4,12 +4,19 @@
     python benchmarks/learning.py --data flowers5 --epochs 10 --batch-size 64
     python benchmarks/learning.py --data cifar10 --epochs 5 --set out_dim=1024 --set centering=sinkhorn_knopp
     python benchmarks/learning.py --recipe recipes/quickstart.yaml            # a recipe's model and data settings
+    python benchmarks/learning.py --recipe recipes/quickstart.yaml --distill teacher.pth   # distil instead of DINO
 
 Data: ``synthetic`` (the built-in set: train/ for DINO and the bank, val/ for queries), ``flowers5`` (a fixed
-stratified 80/20 split of ``../shared/data/flowers5``), ``cifar10`` (``../shared/data/cifar10_12k``: train/ for
+stratified 80/20 split of ``../shared/data/flowers5``), ``camvid`` (CamVid's train photos, unlabelled: no k-NN,
+judge the saved backbones with ``bench_segment.py --weights``), ``cifar10`` (``../shared/data/cifar10_12k``: train/ for
 DINO and the bank, test/ for queries) or any ImageFolder path (20 % held out). The held-out images are never
 trained on. k-NN is DINO's weighted vote (k 20, T 0.07) on the teacher backbone's embedding, with the
 datamodule's evaluation transform; raw pixels are the same eval-transformed images, flattened.
+
+``--distill SOURCE`` trains the same student against a frozen teacher (``ssl_xcit.dino.distill.Distill``, the
+``features`` objective unless ``--set objective=dino``) with the same optimisation settings; the k-NN then judges
+the student, and each k-NN evaluation records the training seconds spent so far (k-NN time excluded), so runs can
+be compared at equal wall time as well as at equal steps.
 
 Prints one table row per run and the collapse signals (teacher entropy and KL to uniform at the end); ``--json``
 appends the full result (settings, steps, wall time, k-NN history) to a JSON-lines file.
@@ -45,6 +52,8 @@ def data_kwargs(name: str) -> dict[str, Any]:
         return {"root": None}
     if name == "flowers5":
         return {"root": str(SHARED / "flowers5"), "val_fraction": 0.2, "split_seed": 0}
+    if name == "camvid":  # CamVid's 367 street photos without their masks (bench_segment.py probes them)
+        return {"root": str(SHARED / "camvid" / "train" / "images"), "val_fraction": 0.0}
     if name == "cifar10":
         return {
             "root": str(SHARED / "cifar10_12k" / "train"),
@@ -59,7 +68,12 @@ def parse_value(text: str) -> Any:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="synthetic", help="synthetic | flowers5 | cifar10 | an ImageFolder path")
+    p.add_argument(
+        "--data", default="synthetic", help="synthetic | flowers5 | cifar10 | camvid | an ImageFolder path"
+    )
+    p.add_argument(
+        "--no-knn", action="store_true", help="no k-NN (unlabelled data; implied by --data camvid)"
+    )
     p.add_argument("--recipe", default=None, help="take model and data settings from this recipe YAML")
     p.add_argument("--epochs", type=int, default=None, help="training epochs (default: the recipe's, else 5)")
     p.add_argument("--limit-batches", type=int, default=None, help="steps per epoch (default: whole epochs)")
@@ -72,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-set", action="append", default=[], metavar="KEY=VALUE", help="datamodule argument")
     p.add_argument("--json", default=None, help="append the result to this JSON-lines file")
     p.add_argument("--tag", default="", help="a name for this run in the table")
+    p.add_argument(
+        "--distill",
+        default=None,
+        metavar="SOURCE",
+        help="distil from this frozen teacher (any --model.teacher SOURCE) instead of training DINO",
+    )
     p.add_argument("--save", default=None, help="write the trained teacher backbone's state dict here (.pth)")
     p.add_argument(
         "--save-every-epoch",
@@ -113,10 +133,12 @@ def knn_top1(model: nn.Module, bank, queries, k: int = 20) -> float:
 
 
 def teacher_weights(model: DINO) -> dict[str, Any]:
-    """The teacher backbone's state dict with its architecture, which ``build_backbone(path)`` reads (a plain
-    state dict cannot tell, e.g., a ViT with 8-px patches from the registered 16-px one)."""
+    """The evaluated backbone's state dict (DINO's teacher, a distillation's student) with its architecture,
+    which ``build_backbone(path)`` reads (a plain state dict cannot tell, e.g., a ViT with 8-px patches from the
+    registered 16-px one)."""
+    network = getattr(model, model.evaluated_network if hasattr(model, "evaluated_network") else "teacher")
     return {
-        "state_dict": model.teacher.backbone.state_dict(),
+        "state_dict": network.backbone.state_dict(),
         "hyper_parameters": {
             "backbone": model.hparams.backbone,
             "backbone_kwargs": model.hparams.backbone_kwargs,
@@ -134,6 +156,29 @@ class SaveTeacher(L.Callback):
         out = self.path.with_name(f"{self.path.stem}_e{trainer.current_epoch + 1}{self.path.suffix}")
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(teacher_weights(pl_module), out)
+
+
+class TrainClock(L.Callback):
+    """Training time so far (batches only: k-NN evaluations and data start-up between epochs excluded),
+    added to each k-NN evaluation the monitor records, for comparisons at equal wall time."""
+
+    def __init__(self, knn: OnlineKNN) -> None:
+        self.knn = knn
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def on_train_start(self, *args) -> None:
+        self.on_train_epoch_end()  # the step-0 evaluation: no training yet
+
+    def on_train_batch_start(self, *args) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    def on_train_epoch_end(self, *args) -> None:
+        for entry in self.knn.history:
+            entry.setdefault("train_seconds", self.seconds)
 
 
 class Signals(L.Callback):
@@ -157,9 +202,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_kw, data_kw, epochs = settings(args)
     dm = DINODataModule(**data_kw)
     L.seed_everything(args.seed, verbose=False)
-    model = DINO(**model_kw)
+    if args.distill:
+        from ssl_xcit.dino.distill import Distill
+
+        model = Distill(teacher=args.distill, **model_kw)
+    else:
+        model = DINO(**model_kw)
+    use_knn = not (args.no_knn or args.data == "camvid")
     knn = OnlineKNN(every_n_epochs=args.knn_every or 10**6, k=20, temperature=0.07, evaluate_at_start=True)
     signals = Signals()
+    monitors = [knn, TrainClock(knn)] if use_knn else []
     trainer = L.Trainer(
         max_epochs=epochs,
         limit_train_batches=args.limit_batches,
@@ -171,27 +223,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[knn, signals] + ([SaveTeacher(args.save)] if args.save and args.save_every_epoch else []),
+        callbacks=monitors
+        + [signals]
+        + ([SaveTeacher(args.save)] if args.save and args.save_every_epoch else []),
     )
     start = time.perf_counter()
     trainer.fit(model, dm)
     minutes = (time.perf_counter() - start) / 60
-    bank, queries = dm.knn_datasets()
-    # Raw pixels go through the same extraction path: the "backbone" flattens the eval-transformed image.
-    pixels = knn_top1(nn.Flatten(), bank, queries)
-    student_top1 = knn_top1(model.student.backbone, bank, queries)
+    pixels = student_top1 = None
+    if use_knn:
+        bank, queries = dm.knn_datasets()
+        # Raw pixels go through the same extraction path: the "backbone" flattens the eval-transformed image.
+        pixels = knn_top1(nn.Flatten(), bank, queries)
+        student_top1 = knn_top1(model.student.backbone, bank, queries)
     tail = max(1, len(signals.entropy) // 10)
     result = {
         "tag": args.tag,
         "data": args.data,
+        "distill": args.distill,
         "recipe": args.recipe,
         "model": model_kw,
         "datamodule": {k: v for k, v in data_kw.items() if k not in ("root", "val_root")},
         "epochs": epochs,
         "steps": trainer.global_step,
         "train_minutes": round(minutes, 2),
-        "knn_random_init": knn.history[0]["top1"],
-        "knn_dino": knn.history[-1]["top1"],
+        "knn_random_init": knn.history[0]["top1"] if use_knn else None,
+        "knn_dino": knn.history[-1]["top1"] if use_knn else None,
         "knn_raw_pixels": pixels,
         "knn_student": student_top1,
         "knn_history": knn.history,
@@ -202,10 +259,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "collapse_events": [cb.events for cb in trainer.callbacks if hasattr(cb, "events")],
         "threads": torch.get_num_threads(),
     }
+    knn_text = (
+        f"k-NN DINO {result['knn_dino']:.2f} random {result['knn_random_init']:.2f} pixels {pixels:.2f} "
+        f"student {student_top1:.2f}"
+        if use_knn
+        else "no k-NN"
+    )
     print(
-        f"RESULT {args.tag or '-'} | {args.data} | {trainer.global_step} steps {minutes:.1f} min | "
-        f"k-NN DINO {result['knn_dino']:.2f} random {result['knn_random_init']:.2f} "
-        f"pixels {pixels:.2f} student {student_top1:.2f} | entropy {result['final_entropy']:.3f} KL {result['final_kl_to_uniform']:.3f}"
+        f"RESULT {args.tag or '-'} | {args.data} | {trainer.global_step} steps {minutes:.1f} min | {knn_text} | "
+        f"entropy {result['final_entropy']:.3f} KL {result['final_kl_to_uniform']:.3f}"
     )
     if args.save:
         # A plain state dict: `build_backbone(path)` infers the variant, so retrieval benchmarks can load it.

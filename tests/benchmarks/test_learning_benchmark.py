@@ -39,3 +39,40 @@ def test_learning_benchmark_reports_dino_random_init_and_pixels(tmp_path):
     for name in ("teacher.pth", "teacher_e1.pth"):
         backbone = build_backbone(tmp_path / name)
         assert (backbone.name, backbone.patch_size, len(backbone.blocks)) == ("vit_tiny_patch16_224", 8, 1)
+
+    # --distill: the same student against the frozen teacher just saved; the k-NN and --save take the student,
+    # and every k-NN evaluation carries the training time spent before it (equal-wall-time comparisons).
+    distilled = bench.run(bench.parse_args([
+        "--data-set", f"root={root / 'train'}", "--data-set", f"val_root={root / 'val'}",
+        "--data-set", "batch_size=4", "--data-set", "global_crops_size=32", "--data-set", "local_crops_number=0",
+        "--data-set", "eval_resize=32", "--data-set", "eval_crop=32",
+        "--set", "backbone=vit_tiny_patch16_224", "--set", "backbone_kwargs={depth: 1, patch_size: 16}",
+        "--set", "warmup_epochs=0", "--epochs", "2", "--knn-every", "1", "--workers", "0",
+        "--distill", str(tmp_path / "teacher.pth"), "--save", str(tmp_path / "student.pth"),
+    ]))  # fmt: skip
+    assert distilled["distill"] == str(tmp_path / "teacher.pth")
+    assert [h["step"] for h in distilled["knn_history"]] == [0, 5, 10]
+    seconds = [h["train_seconds"] for h in distilled["knn_history"]]
+    assert seconds[0] == 0.0 and seconds[0] < seconds[1] < seconds[2]
+    student = build_backbone(tmp_path / "student.pth")
+    # the student's architecture, not the teacher's
+    assert (student.patch_size, len(student.blocks)) == (16, 1)
+
+
+def test_no_knn_trains_and_saves_without_labels(tmp_path):
+    """--no-knn (implied by --data camvid, whose photos have no labels): training and --save, no k-NN rows."""
+    spec = importlib.util.spec_from_file_location("learning_benchmark", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    root = ensure_synthetic_dataset(tmp_path / "shapes", num_train_per_class=1, num_val_per_class=1)
+    result = bench.run(bench.parse_args([
+        "--data-set", f"root={root / 'train'}", "--data-set", "batch_size=5", "--data-set", "global_crops_size=32",
+        "--data-set", "local_crops_number=0", "--set", "backbone=vit_tiny_patch16_224",
+        "--set", "backbone_kwargs={depth: 1, patch_size: 16}", "--set", "out_dim=16", "--set", "warmup_epochs=0",
+        "--epochs", "1", "--workers", "0", "--no-knn", "--save", str(tmp_path / "t.pth"),
+    ]))  # fmt: skip
+    assert result["steps"] == 2
+    assert result["knn_history"] == [] and result["knn_dino"] is None and result["knn_raw_pixels"] is None
+    assert (tmp_path / "t.pth").is_file()
+    assert bench.parse_args(["--data", "camvid"]).data == "camvid"
+    assert bench.data_kwargs("camvid")["root"].endswith("camvid/train/images")
