@@ -1,5 +1,5 @@
 """A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE [MODE[,MODE...]]``
-(modes: plain, the default; empty; ibot).
+(modes: plain, the default; empty; ibot; distill; init_from).
 
 Run under ``torchrun --nproc_per_node 2`` it is a real 2-process Lightning DDP run on CPU (gloo); with
 WORLD_SIZE 1 it is the single-process reference on the same global batch (8 images per step).
@@ -47,7 +47,8 @@ class Record(L.Callback):
             return
         self.losses.append(float(loss))
         self.indices.append(batch[2].tolist())
-        self.centers.append(pl_module.dino_loss.center.detach().clone())
+        center = getattr(pl_module.dino_loss, "center", None)
+        self.centers.append(torch.zeros(1) if center is None else center.detach().clone())
 
 
 def build(**overrides):
@@ -71,18 +72,62 @@ def build(**overrides):
     )
 
 
+def source_file(out_dir: str | Path) -> Path:
+    """A backbone file (ViT-Ti/16, one block, seed 7) for the teacher and init_from modes. Each process writes
+    its own copy with the same tensors, so no rank reads a file another is writing."""
+    from ssl_xcit.models import create_model
+
+    torch.manual_seed(7)
+    backbone = create_model("vit_tiny_patch16_224", depth=1, patch_size=8)
+    hyper = {"backbone": "vit_tiny_patch16_224", "backbone_kwargs": {"depth": 1, "patch_size": 8}}
+    path = Path(out_dir) / f"source_{os.environ.get('RANK', 'single')}.pth"
+    torch.save({"state_dict": backbone.state_dict(), "hyper_parameters": hyper}, path)
+    return path
+
+
+def build_distill(teacher: Path):
+    from ssl_xcit.dino.distill import Distill
+
+    L.seed_everything(0, verbose=False)
+    return Distill(teacher=str(teacher), backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 1},
+                   drop_path_rate=0.0, out_dim=32, head_hidden_dim=32, head_bottleneck_dim=16, warmup_epochs=0,
+                   optimizer="sgd", lr=2.0, freeze_last_layer=0)  # fmt: skip
+
+
+def build_init_from(source: Path):
+    """A ViT-Ti/8 DINO run started from ``source``: its default head warm-up (the backbone waits 50 steps)."""
+    from ssl_xcit.dino.module import DINO
+
+    L.seed_everything(0, verbose=False)
+    return DINO("vit_tiny_patch16_224", backbone_kwargs={"depth": 1, "patch_size": 8}, init_from=str(source),
+                drop_path_rate=0.0, out_dim=32, head_hidden_dim=32, head_bottleneck_dim=16, warmup_epochs=0,
+                optimizer="sgd", lr=2.0, freeze_last_layer=0)  # fmt: skip
+
+
 def initial_student() -> dict:
     return {k: v.clone() for k, v in build().student.state_dict().items()}
 
 
 def run(
-    out_dir: str | Path, world_size: int, empty_first_batch_on_rank1: bool = False, ibot: bool = False
+    out_dir: str | Path,
+    world_size: int,
+    empty_first_batch_on_rank1: bool = False,
+    ibot: bool = False,
+    distill: bool = False,
+    init_from: bool = False,
 ) -> dict:
     """With ``empty_first_batch_on_rank1`` every image of rank 1's first batch is unreadable; ``ibot`` adds the
-    masked patch term with Sinkhorn-Knopp centring (all-reduced over the masked patches of both ranks)."""
+    masked patch term with Sinkhorn-Knopp centring (all-reduced over the masked patches of both ranks);
+    ``distill`` trains an XCiT student against a frozen ViT teacher (the features objective); ``init_from``
+    starts a ViT from a backbone file, with the fresh head warming up alone."""
     from ssl_xcit.data.datasets import collate_train
 
-    model = build(ibot_loss_weight=1.0, centering="sinkhorn_knopp") if ibot else build()
+    if distill:
+        model = build_distill(source_file(out_dir))
+    elif init_from:
+        model = build_init_from(source_file(out_dir))
+    else:
+        model = build(ibot_loss_weight=1.0, centering="sinkhorn_knopp") if ibot else build()
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -119,6 +164,7 @@ def run(
         "indices": record.indices,
         "centers": torch.stack(record.centers),
         "student": {k: v.detach().clone() for k, v in model.student.state_dict().items()},
+        "teacher": {k: v.detach().clone() for k, v in model.teacher.state_dict().items()},
         "bn_types": sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}),
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
@@ -128,7 +174,13 @@ def run(
     return result
 
 
-MODES = {"plain": {}, "empty": {"empty_first_batch_on_rank1": True}, "ibot": {"ibot": True}}
+MODES = {
+    "plain": {},
+    "empty": {"empty_first_batch_on_rank1": True},
+    "ibot": {"ibot": True},
+    "distill": {"distill": True},
+    "init_from": {"init_from": True},
+}
 
 if __name__ == "__main__":
     # MODES may list several, comma-separated, each written to OUT_DIR/<mode>: they run one after another in

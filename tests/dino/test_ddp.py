@@ -15,11 +15,11 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> Path:
-    """The three 2-process runs below, one after another in one launch (each in its own folder): starting
+    """The five 2-process runs below, one after another in one launch (each in its own folder): starting
     torchrun and importing torch and Lightning in both ranks took most of each test's ~17 s. A rank left
     waiting in a collective ends in ``TimeoutExpired``, with the launcher and both workers killed."""
     out = tmp_path_factory.mktemp("ddp")
-    torchrun(WORKER, str(out), "2", "plain,empty,ibot", timeout=240)
+    torchrun(WORKER, str(out), "2", "plain,empty,ibot,distill,init_from", timeout=300)
     return out
 
 
@@ -75,3 +75,52 @@ def test_ddp_center_loss_and_weights_match_single_process(tmp_path, ddp_runs):
         k for k, v in single["student"].items() if k.endswith("weight") and not torch.equal(v, initial[k])
     ]
     assert len(moved) > 10  # the comparison is not vacuous: training changed the weights
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("ddp_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker
+
+
+@pytest.mark.distributed
+def test_ddp_distillation_matches_single_process_with_the_teacher_frozen(tmp_path, ddp_runs):
+    """A distillation run under DDP: the students of both ranks equal the single-process student on the same
+    global batch, and the frozen teacher is bit-identical to the file it came from on both ranks."""
+    worker = _load_worker()
+    single = worker.run(tmp_path, 1, distill=True)
+    ranks = _ranks(ddp_runs, "distill")
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    source = torch.load(worker.source_file(tmp_path), weights_only=True)["state_dict"]
+    for r in ranks:
+        for key, value in source.items():
+            assert torch.equal(r["teacher"][f"backbone.{key}"], value), key
+    for key, value in ranks[0]["student"].items():
+        torch.testing.assert_close(ranks[1]["student"][key], value, rtol=0, atol=0)
+        torch.testing.assert_close(value, single["student"][key], rtol=1e-4, atol=1e-6)
+    for step in range(2):
+        mean = (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2
+        assert mean == pytest.approx(single["losses"][step], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_ddp_init_from_starts_both_ranks_from_the_source_and_warms_the_head_alone(tmp_path, ddp_runs):
+    """init_from under DDP: both ranks load the file; during the head warm-up the backbones stay exactly the
+    source's (DDP must not move parameters that get no gradient) while the heads train, equally on both."""
+    worker = _load_worker()
+    single = worker.run(tmp_path, 1, init_from=True)
+    ranks = _ranks(ddp_runs, "init_from")
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    source = torch.load(worker.source_file(tmp_path), weights_only=True)["state_dict"]
+    for r in ranks:
+        for key, value in source.items():
+            assert torch.equal(r["student"][f"backbone.{key}"], value), key
+            # The EMA still runs: m * x + (1 - m) * x is x up to float rounding.
+            torch.testing.assert_close(r["teacher"][f"backbone.{key}"], value, rtol=1e-6, atol=1e-9)
+    head = [k for k in ranks[0]["student"] if k.startswith("head.") and k.endswith("weight")]
+    initial = worker.build_init_from(worker.source_file(tmp_path)).student.state_dict()
+    assert any(not torch.equal(ranks[0]["student"][k], initial[k]) for k in head)  # the head did train
+    for key, value in ranks[0]["student"].items():
+        torch.testing.assert_close(ranks[1]["student"][key], value, rtol=0, atol=0)
+        torch.testing.assert_close(value, single["student"][key], rtol=1e-4, atol=1e-6)
