@@ -3,6 +3,7 @@ architecture and patch size than the student (ViT-Ti/16 -> XCiT-N/8), the frozen
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import timm
 import torch
@@ -160,3 +161,63 @@ def test_gram_anchoring_is_refused_in_one_line():
     with pytest.raises(UserError, match="gram_loss_weight does not apply to distillation, got 1.0") as err:
         Distill(teacher="unused.ckpt", objective="features", gram_loss_weight=1.0, **STUDENT)
     assert "\n" not in str(err.value)
+
+
+def test_features_loss_under_bf16_autocast_is_float32_after_the_networks(tmp_path, monkeypatch):
+    """Under bf16-mixed the networks compute in bfloat16; the loss after them must add no rounding of its own:
+    its value equals float64's on the very tokens the networks gave (rel 1e-5; one bf16 rounding is 2e-3)."""
+    import ssl_xcit.dino.distill as distill_module
+
+    _teacher_ckpt(tmp_path / "teacher.ckpt")
+    torch.manual_seed(0)
+    model = Distill(teacher=str(tmp_path / "teacher.ckpt"), teacher_resolution=32, **STUDENT)
+    seen = []
+    original = distill_module.features_loss
+    monkeypatch.setattr(distill_module, "features_loss", lambda *a: seen.append(a) or original(*a))
+    crops = [torch.randn(4, 3, 16, 16) for _ in range(2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.compute_losses(crops, None, 0, update_center=True)
+    s_cls, s_pat, t_cls, t_pat = seen[0]
+    assert s_cls.dtype == s_pat.dtype == torch.bfloat16  # the networks did run in bf16
+    assert out.total.dtype == torch.float32
+
+    def reference(student, teacher):
+        t = teacher.double()
+        target = (t - t.mean(-1, keepdim=True)) / torch.sqrt(t.var(-1, unbiased=False, keepdim=True) + 1e-5)
+        return float(((student.double() - target) ** 2).mean())
+
+    cls, patch = out.terms["cls_loss"], out.terms["patch_loss"]
+    assert float(cls) == pytest.approx(reference(s_cls, t_cls), rel=1e-5)
+    assert float(patch) == pytest.approx(reference(s_pat, t_pat), rel=1e-5)
+
+
+def test_distillation_trains_under_bf16_mixed_and_resumes_exactly(tmp_path, tiny):
+    """bf16-mixed on the CPU trains the student with the teacher untouched; a run resumed from its epoch-1
+    checkpoint (the teacher read again from SOURCE) ends with the uninterrupted run's student, bit for bit."""
+    _teacher_ckpt(tmp_path / "teacher.ckpt")
+
+    class StopAfterFirstEpoch(L.Callback):  # a run killed after its epoch-1 checkpoint, schedules unchanged
+        def on_train_epoch_end(self, trainer, pl_module):
+            trainer.should_stop = True
+
+    def fit(folder, epochs, ckpt_path=None, precision="32-true", stop=False):
+        torch.manual_seed(0)
+        model = Distill(teacher=str(tmp_path / "teacher.ckpt"), teacher_resolution=32, **STUDENT)
+        callbacks = [StopAfterFirstEpoch()] if stop else []
+        trainer = tiny.trainer(tmp_path / folder, max_epochs=epochs, precision=precision, callbacks=callbacks)
+        trainer.fit(model, tiny.loader(n=8, shuffle=False), ckpt_path=ckpt_path)
+        return model, trainer
+
+    mixed, trainer = fit("bf16", 1, precision="bf16-mixed")
+    assert trainer.global_step == 2
+    teacher_file = torch.load(tmp_path / "teacher.ckpt", weights_only=False)["state_dict"]
+    for key, value in mixed.teacher.backbone.state_dict().items():
+        assert torch.equal(value, teacher_file[f"teacher.backbone.{key}"]), key
+    assert all(torch.isfinite(p).all() for p in mixed.student.parameters())
+
+    whole, _ = fit("whole", 2)
+    fit("first", 2, stop=True)
+    resumed, trainer = fit("resumed", 2, ckpt_path=tmp_path / "first" / "ckpt" / "last.ckpt")
+    assert trainer.global_step == 4
+    for key, value in whole.student.state_dict().items():
+        assert torch.equal(resumed.student.state_dict()[key], value), key
