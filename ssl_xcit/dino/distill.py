@@ -244,7 +244,11 @@ class Distill(DINO):
                 f"gram_loss_weight does not apply to distillation, got {kwargs['gram_loss_weight']}: set it to 0 "
                 "(the frozen teacher anchors the patch tokens)"
             )
-        frozen = read_teacher(teacher)
+        # Reading the teacher (a timm model is built with random weights first) must not draw from the global
+        # RNG: under one seed the student starts from exactly the weights DINO from random init would, so the
+        # two can be compared from one starting point (benchmarks/learning.py --distill).
+        with torch.random.fork_rng(devices=[]):
+            frozen = read_teacher(teacher)
         ibot = float(kwargs.get("ibot_loss_weight", 0.0)) > 0
         if objective == "dino":
             if frozen.head is None:

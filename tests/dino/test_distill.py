@@ -221,3 +221,16 @@ def test_distillation_trains_under_bf16_mixed_and_resumes_exactly(tmp_path, tiny
     assert trainer.global_step == 4
     for key, value in whole.student.state_dict().items():
         assert torch.equal(resumed.student.state_dict()[key], value), key
+
+
+def test_the_student_starts_where_dino_from_random_init_starts_under_one_seed(tmp_path):
+    """Reading the teacher draws nothing from the global RNG: a distillation and a DINO run of the same seed
+    start from the same student backbone (the comparison of docs/training.md starts both from one point)."""
+    _timm_file(tmp_path / "vit.safetensors")
+    torch.manual_seed(3)
+    dino = DINO(**STUDENT)
+    torch.manual_seed(3)
+    distill = Distill(teacher=f"timm:vit_tiny_patch16_224.augreg_in21k_ft_in1k@{tmp_path / 'vit.safetensors'}",
+                      teacher_resolution=32, **STUDENT)  # fmt: skip
+    want = dino.student.backbone.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in distill.student.backbone.state_dict().items())
