@@ -84,21 +84,31 @@ def _load_worker():
     return worker
 
 
+def _mode_runs(tmp_path, ddp_runs, mode: str):
+    """(worker module, the single-process run, the two ranks, the source file's tensors) of a worker mode."""
+    worker = _load_worker()
+    single = worker.run(tmp_path, 1, **worker.MODES[mode])
+    ranks = _ranks(ddp_runs, mode)
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    return worker, single, ranks, torch.load(worker.source_file(tmp_path), weights_only=True)["state_dict"]
+
+
+def _students_agree(ranks, single) -> None:
+    """Both ranks' students are identical, and equal the single-process student on the same global batch."""
+    for key, value in ranks[0]["student"].items():
+        torch.testing.assert_close(ranks[1]["student"][key], value, rtol=0, atol=0)
+        torch.testing.assert_close(value, single["student"][key], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.distributed
 def test_ddp_distillation_matches_single_process_with_the_teacher_frozen(tmp_path, ddp_runs):
     """A distillation run under DDP: the students of both ranks equal the single-process student on the same
     global batch, and the frozen teacher is bit-identical to the file it came from on both ranks."""
-    worker = _load_worker()
-    single = worker.run(tmp_path, 1, distill=True)
-    ranks = _ranks(ddp_runs, "distill")
-    assert [r["global_step"] for r in ranks] == [2, 2]
-    source = torch.load(worker.source_file(tmp_path), weights_only=True)["state_dict"]
+    _, single, ranks, source = _mode_runs(tmp_path, ddp_runs, "distill")
     for r in ranks:
         for key, value in source.items():
             assert torch.equal(r["teacher"][f"backbone.{key}"], value), key
-    for key, value in ranks[0]["student"].items():
-        torch.testing.assert_close(ranks[1]["student"][key], value, rtol=0, atol=0)
-        torch.testing.assert_close(value, single["student"][key], rtol=1e-4, atol=1e-6)
+    _students_agree(ranks, single)
     for step in range(2):
         mean = (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2
         assert mean == pytest.approx(single["losses"][step], rel=1e-5)
@@ -108,11 +118,7 @@ def test_ddp_distillation_matches_single_process_with_the_teacher_frozen(tmp_pat
 def test_ddp_init_from_starts_both_ranks_from_the_source_and_warms_the_head_alone(tmp_path, ddp_runs):
     """init_from under DDP: both ranks load the file; during the head warm-up the backbones stay exactly the
     source's (DDP must not move parameters that get no gradient) while the heads train, equally on both."""
-    worker = _load_worker()
-    single = worker.run(tmp_path, 1, init_from=True)
-    ranks = _ranks(ddp_runs, "init_from")
-    assert [r["global_step"] for r in ranks] == [2, 2]
-    source = torch.load(worker.source_file(tmp_path), weights_only=True)["state_dict"]
+    worker, single, ranks, source = _mode_runs(tmp_path, ddp_runs, "init_from")
     for r in ranks:
         for key, value in source.items():
             assert torch.equal(r["student"][f"backbone.{key}"], value), key
@@ -121,6 +127,4 @@ def test_ddp_init_from_starts_both_ranks_from_the_source_and_warms_the_head_alon
     head = [k for k in ranks[0]["student"] if k.startswith("head.") and k.endswith("weight")]
     initial = worker.build_init_from(worker.source_file(tmp_path)).student.state_dict()
     assert any(not torch.equal(ranks[0]["student"][k], initial[k]) for k in head)  # the head did train
-    for key, value in ranks[0]["student"].items():
-        torch.testing.assert_close(ranks[1]["student"][key], value, rtol=0, atol=0)
-        torch.testing.assert_close(value, single["student"][key], rtol=1e-4, atol=1e-6)
+    _students_agree(ranks, single)
