@@ -92,7 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SOURCE",
         help="distil from this frozen teacher (any --model.teacher SOURCE) instead of training DINO",
     )
-    p.add_argument("--save", default=None, help="write the trained teacher backbone's state dict here (.pth)")
+    p.add_argument(
+        "--save",
+        default=None,
+        help="write the evaluated backbone (DINO's teacher, a distilled student) here (.pth)",
+    )
     p.add_argument(
         "--save-every-epoch",
         action="store_true",
@@ -136,7 +140,7 @@ def teacher_weights(model: DINO) -> dict[str, Any]:
     """The evaluated backbone's state dict (DINO's teacher, a distillation's student) with its architecture,
     which ``build_backbone(path)`` reads (a plain state dict cannot tell, e.g., a ViT with 8-px patches from the
     registered 16-px one)."""
-    network = getattr(model, model.evaluated_network if hasattr(model, "evaluated_network") else "teacher")
+    network = getattr(model, getattr(model, "evaluated_network", "teacher"))
     return {
         "state_dict": network.backbone.state_dict(),
         "hyper_parameters": {
@@ -147,7 +151,7 @@ def teacher_weights(model: DINO) -> dict[str, Any]:
 
 
 class SaveTeacher(L.Callback):
-    """The teacher backbone's state dict after every epoch, for curves of quality against steps."""
+    """The evaluated backbone (``teacher_weights``) after every epoch, for curves of quality against steps."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
