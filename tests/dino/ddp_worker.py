@@ -47,8 +47,7 @@ class Record(L.Callback):
             return
         self.losses.append(float(loss))
         self.indices.append(batch[2].tolist())
-        center = getattr(pl_module.dino_loss, "center", None)
-        self.centers.append(torch.zeros(1) if center is None else center.detach().clone())
+        self.centers.append(pl_module.dino_loss.center.detach().clone())
 
 
 def build(**overrides):
@@ -73,7 +72,7 @@ def build(**overrides):
 
 
 def source_file(out_dir: str | Path) -> Path:
-    """A backbone file (ViT-Ti/16, one block, seed 7) for the teacher and init_from modes. Each process writes
+    """A backbone file (ViT-Ti with 8-px patches, one block, seed 7) for the teacher and init_from modes. Each process writes
     its own copy with the same tensors, so no rank reads a file another is writing."""
     from ssl_xcit.models import create_model
 
