@@ -12,7 +12,9 @@ because their 224-px crops already need every pixel. Crop and resize are one ``I
 the box in the reduced image's (fractional) coordinates.
 
 The crop boxes follow torchvision's ``RandomResizedCrop.get_params`` (same distribution, torch's RNG) and the
-flip ``RandomHorizontalFlip``'s, so the geometry matches ``MultiCropTransform``'s.
+flip ``RandomHorizontalFlip``'s, so the geometry matches ``MultiCropTransform``'s. With ``gram_crops_size`` set
+(Gram anchoring), two more crops follow the local ones: each global crop's box and flip at ``gram_crops_size``,
+the Gram teacher's (no further draw).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class PlannedImage:
 class MultiCropGeometry:
     """Decode + random resized crops + flips -> ``[global_1, global_2, local_1, ...]`` uint8 (3, H, W) tensors.
 
-    Args: the geometric arguments of ``MultiCropTransform`` (same defaults), plus ``draft``: decode JPEGs at a
-    reduced DCT scale when every crop allows it (off decodes every image at full size).
+    Args: the geometric arguments of ``MultiCropTransform`` (same defaults, ``gram_crops_size`` included), plus
+    ``draft``: decode JPEGs at a reduced DCT scale when every crop allows it (off decodes every image at full size).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class MultiCropGeometry:
         flip_prob: float = 0.5,
         interpolation: str = "bicubic",
         draft: bool = True,
+        gram_crops_size: int | None = None,
     ) -> None:
         if local_crops_number < 0 or int(local_crops_number) != local_crops_number:
             raise UserError(f"local_crops_number must be an integer >= 0, got {local_crops_number!r}")
@@ -88,10 +91,18 @@ class MultiCropGeometry:
         self.interpolation = mode
         self.resample = _PIL_RESAMPLE[mode]
         self.draft = bool(draft)
+        self.gram_crops_size = (
+            None if gram_crops_size is None else _check_size("gram_crops_size", gram_crops_size)
+        )
 
     @property
     def num_crops(self) -> int:
+        """DINO's crops per image (the Gram teacher's are :attr:`num_gram_crops` more)."""
         return 2 + self.local_crops_number
+
+    @property
+    def num_gram_crops(self) -> int:
+        return 0 if self.gram_crops_size is None else 2
 
     def plan(self, width: int, height: int) -> list[Crop]:
         """Draw the crops of an upright ``width`` x ``height`` image (torch's RNG)."""
@@ -104,6 +115,8 @@ class MultiCropGeometry:
             top, left, h, w = RandomResizedCrop.get_params(shape_only, list(scale), list(_RATIO))
             flip = bool(torch.rand(1) < self.flip_prob)
             crops.append(Crop(top, left, h, w, size, flip))
+        if self.gram_crops_size is not None:  # the global crops' boxes and flips at the Gram teacher's size
+            crops += [Crop(c.top, c.left, c.height, c.width, self.gram_crops_size, c.flip) for c in crops[:2]]
         return crops
 
     def read(self, path: str | Path) -> PlannedImage:
@@ -146,5 +159,6 @@ class MultiCropGeometry:
             f"{type(self).__name__}(global_crops_size={self.global_crops_size}, "
             f"global_crops_scale={self.global_crops_scale}, local_crops_number={self.local_crops_number}, "
             f"local_crops_size={self.local_crops_size}, local_crops_scale={self.local_crops_scale}, "
-            f"flip_prob={self.flip_prob}, interpolation={self.interpolation!r}, draft={self.draft})"
+            f"flip_prob={self.flip_prob}, interpolation={self.interpolation!r}, draft={self.draft}, "
+            f"gram_crops_size={self.gram_crops_size})"
         )

@@ -2,7 +2,9 @@
 
 A training batch is ``[crops, labels, indices]``: ``crops`` is a list of ``2 + local_crops_number`` float
 tensors, the two global crops (B, 3, G, G) first, then the local ones (B, 3, L, L); ``labels`` is -1 for
-unlabelled data. Items whose file cannot be decoded are dropped from their batch (so a batch can be smaller
+unlabelled data. When the model anchors (Gram anchoring), ``crops`` is ``{"crops": [...], "gram_crops": [...]}``,
+the two Gram teacher's crops of the global crops' boxes at ``gram_resolution_scale`` x G, undistorted:
+:meth:`DINODataModule.setup` reads that scale from the trainer's model (its ``gram_crops_scale``). Items whose file cannot be decoded are dropped from their batch (so a batch can be smaller
 than ``batch_size``; ``None`` if every item failed). The number of skipped files is available as
 ``num_skipped`` (it counts files flagged by any DataLoader worker, see ``ssl_xcit.data.image_dataset``) and is
 logged as ``data/skipped_images`` by the ``SkippedImagesLogger`` callback and summarised at ``teardown``.
@@ -251,7 +253,14 @@ class DINODataModule(L.LightningDataModule):
         if self.hparams.root is None:
             ensure_synthetic_dataset()
 
+    def use_gram_crops(self, scale: int | None) -> None:
+        """Cut the Gram teacher's crops at ``scale`` x the global crops' side into every batch (None: not)."""
+        size = None if scale is None else int(scale) * self.hparams.global_crops_size
+        self.cpu_transform.gram_crops_size = self.geometry.gram_crops_size = size
+
     def setup(self, stage: str | None = None) -> None:
+        model = getattr(self.trainer, "lightning_module", None)  # before the loaders copy the transforms
+        self.use_gram_crops(getattr(model, "gram_crops_scale", None))
         if self.train_dataset is not None:
             return
         self._use_augment_on(self.resolve_augment_on())

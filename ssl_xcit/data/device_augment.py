@@ -203,7 +203,7 @@ class AugmentPlan:
     n_ints: int
     groups: list[_GroupPlan]
     normalise: tuple[Span, Span]  # mean and std spans in the float section
-    params: list[CropParams]  # per group, for inspection and tests
+    params: list[CropParams]  # per group that draws (not the plain ones), for inspection and tests
 
 
 class PhotometricAugment:
@@ -297,9 +297,10 @@ class PhotometricAugment:
         return CropParams(jitter, order, factors, grayscale, blur, sigma, solarize)
 
     # ------------------------------------------------------------------------------------------ host half
-    def plan(self, shapes: Sequence[Sequence[int]], rng: RandomSource) -> AugmentPlan:
+    def plan(self, shapes: Sequence[Sequence[int]], rng: RandomSource, plain: int = 0) -> AugmentPlan:
         """Draw the parameters of a batch whose crop k has shape ``shapes[k]`` (B, 3, H, W) and pack
-        everything the device half needs. Same-size crops form one group (one batched pass)."""
+        everything the device half needs. Same-size crops form one group (one batched pass). The last
+        ``plain`` crops (the Gram teacher's) are only normalised, and draw nothing."""
         rng = as_rng(rng)
         packer = _Packer()
         groups, drawn = [], []
@@ -308,7 +309,13 @@ class PhotometricAugment:
             end = start + 1
             while end < len(shapes) and tuple(shapes[end][-2:]) == tuple(shapes[start][-2:]):
                 end += 1
+            if start < len(shapes) - plain < end:  # a plain run starts inside: split the group there
+                end = len(shapes) - plain
             sizes = [int(s[0]) for s in shapes[start:end]]
+            if start >= len(shapes) - plain:
+                groups.append(_GroupPlan(sizes))  # no operation: the float conversion and normalisation only
+                start = end
+                continue
             probs = [self.crop_probs(k) for k in range(start, end)]
             blur_p = np.concatenate([np.full(b, p[0]) for b, p in zip(sizes, probs, strict=True)])
             solarize_p = np.concatenate([np.full(b, p[1]) for b, p in zip(sizes, probs, strict=True)])
@@ -388,10 +395,13 @@ class PhotometricAugment:
             x.index_copy_(0, idx, part)
         return x
 
-    def __call__(self, crops: Sequence[torch.Tensor], rng: RandomSource) -> list[torch.Tensor]:
-        """Augment a batch's crops (crop k is a (B, 3, H, W) uint8 tensor); same-size crops run as one batch."""
+    def __call__(
+        self, crops: Sequence[torch.Tensor], rng: RandomSource, plain: int = 0
+    ) -> list[torch.Tensor]:
+        """Augment a batch's crops (crop k is a (B, 3, H, W) uint8 tensor); same-size crops run as one batch.
+        The last ``plain`` crops are only normalised (see :meth:`plan`)."""
         _check_uint8(crops)
-        return self.run(crops, self.plan([tuple(c.shape) for c in crops], rng))
+        return self.run(crops, self.plan([tuple(c.shape) for c in crops], rng, plain))
 
     def __repr__(self) -> str:
         return (

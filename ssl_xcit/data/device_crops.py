@@ -106,9 +106,10 @@ class CropReader:
 
     @property
     def sizes(self) -> list[int]:
-        """Output side of each crop, in the batch's crop order."""
+        """Output side of each crop, in the batch's crop order (the Gram teacher's last)."""
         g = self.geometry
-        return [g.global_crops_size] * 2 + [g.local_crops_size] * g.local_crops_number
+        gram = [g.gram_crops_size] * g.num_gram_crops  # the Gram teacher's, last (MultiCropGeometry.plan)
+        return [g.global_crops_size] * 2 + [g.local_crops_size] * g.local_crops_number + gram
 
     def read(self, path: str | Path | bytes) -> CropItem:
         """Read a file, or take a shard record's encoded bytes (``ssl_xcit.data.streaming``)."""

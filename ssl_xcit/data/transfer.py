@@ -52,20 +52,27 @@ def augment_batch(
 
     A batch that is not a multi-crop batch comes back unchanged. The float crops are in the input dtype of the
     trainer's precision (bfloat16 under ``bf16-true``, float32 under ``*-mixed``). ``rng`` is called once, for
-    a batch that is augmented.
+    a batch that is augmented. With the Gram teacher's crops (``reader.geometry.gram_crops_size``) the batch's
+    first item becomes ``{"crops": [...], "gram_crops": [...]}``, as on the CPU path; those are only normalised.
     """
     if not isinstance(batch, (list, tuple)) or not batch:
         return batch, 0
-    crops, fallbacks = batch[0], 0
+    crops, fallbacks, gram = batch[0], 0, 0
     if isinstance(crops, CropBatch):
         # Decode (decode_on=device) and cut the crops on the batch's device: every box and index came
         # with the batch, so nothing is read back from the device.
         images = decode_batch(crops, crops.rois.device)  # adds the files it decoded on the CPU
         fallbacks = crops.fallbacks
         crops = cut_crops(images, crops.rois, crops.flips, reader.sizes)
+        gram = reader.geometry.num_gram_crops  # cut last (MultiCropGeometry.plan)
+    elif isinstance(crops, dict) and "gram_crops" in crops:  # uint8 crops already cut
+        gram = len(crops["gram_crops"])
+        crops = [*crops["crops"], *crops["gram_crops"]]
     if not isinstance(crops, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in crops):
         return batch, fallbacks
-    augmented = augment(crops, rng())
+    augmented = augment(crops, rng(), plain=gram)
+    if gram:
+        augmented = {"crops": augmented[:-gram], "gram_crops": augmented[-gram:]}
     if trainer is not None:
         # Lightning converts the inputs before this hook runs, when the crops were still uint8 (and so left
         # alone): convert the float crops now, as the precision plugin would have.

@@ -6,6 +6,12 @@ normalisation. One difference on purpose: every random draw comes from torch's R
 use ``torch.rand``), so ``torch.manual_seed`` (and Lightning's per-worker seeding) makes it reproducible. The
 reference drew the blur and solarize coins from Python's ``random``, which ``utils.fix_random_seeds`` never
 seeded, so its runs were not reproducible.
+
+With ``gram_crops_size`` set (Gram anchoring, ``ssl_xcit.dino.gram``), each global crop also gives the Gram teacher a
+crop of its own, as DINOv3's ``DataAugmentationDINO`` with ``gram_teacher_no_distortions``: the same box and the
+same flip resampled (bicubic by default, anti-aliased) to ``gram_crops_size``, then only normalised. DINOv3 cuts the
+box once at the Gram size and resizes that to the global size; here both are resampled from the image itself, so
+the global crop is not resampled twice. The random draws are the same with or without it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 import torch
 from PIL import Image, ImageFilter
+from torchvision.transforms import RandomResizedCrop as _V1RandomResizedCrop
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
@@ -92,7 +99,7 @@ class GaussianBlur(v2.Transform):
 
 
 def _crop_pipeline(
-    size: int,
+    size: int | None,
     scale: tuple[float, float],
     blur_prob: float,
     solarize_prob: float,
@@ -109,9 +116,14 @@ def _crop_pipeline(
 ) -> v2.Compose:
     # The augmentations run on PIL images, as in the reference: PIL's colour ops are faster than the tensor
     # kernels on 224-px crops (docs/benchmarks.md), and solarize at 128 on uint8 is exactly ImageOps.solarize's default.
-    steps: list[Any] = [
-        v2.RandomResizedCrop(size, scale=scale, interpolation=interpolation, antialias=True),
-        v2.RandomHorizontalFlip(p=flip_prob),
+    # size None: the photometric half alone (the crop and flip were made with the Gram teacher's, _same_box).
+    steps: list[Any] = []
+    if size is not None:
+        steps += [
+            v2.RandomResizedCrop(size, scale=scale, interpolation=interpolation, antialias=True),
+            v2.RandomHorizontalFlip(p=flip_prob),
+        ]
+    steps += [
         v2.RandomApply([v2.ColorJitter(*color_jitter)], p=color_jitter_prob),
         v2.RandomGrayscale(p=grayscale_prob),
     ]
@@ -119,8 +131,16 @@ def _crop_pipeline(
         steps.append(v2.RandomApply([GaussianBlur(blur_radius)], p=blur_prob))
     if solarize_prob > 0:
         steps.append(v2.RandomSolarize(threshold=solarize_threshold, p=solarize_prob))
-    steps += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean=mean, std=std)]
-    return v2.Compose(steps)
+    return v2.Compose(steps + shared_plain(mean, std))
+
+
+def shared_plain(mean: Sequence[float], std: Sequence[float]) -> list[Any]:
+    """To a float tensor, normalised: the end of every crop's pipeline, and all of the Gram teacher's."""
+    return [
+        v2.PILToTensor(),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(mean=list(mean), std=list(std)),
+    ]
 
 
 class MultiCropTransform:
@@ -131,6 +151,10 @@ class MultiCropTransform:
     colour jitter (0.4, 0.4, 0.2, 0.1) with p=0.8, grayscale p=0.2, blur with p = 1.0 / 0.1 / 0.5 on global 1 /
     global 2 / locals, solarize p=0.2 on global 2 only. The reference's XCiT runs (VISSL configs) used scales
     (0.3, 1) / (0.05, 0.3); every value here is a constructor argument.
+
+    ``gram_crops_size`` (None: off; the datamodule sets it from the model) adds the Gram teacher's crops: the
+    result is then ``{"crops": [...], "gram_crops": [gram_1, gram_2]}``, gram crop k of global crop k's box and
+    flip at ``gram_crops_size``, with no photometric distortion (see the module docstring).
     """
 
     def __init__(
@@ -153,6 +177,7 @@ class MultiCropTransform:
         interpolation: str = "bicubic",
         mean: tuple[float, float, float] = IMAGENET_MEAN,
         std: tuple[float, float, float] = IMAGENET_STD,
+        gram_crops_size: int | None = None,
     ) -> None:
         if local_crops_number < 0 or int(local_crops_number) != local_crops_number:
             raise UserError(f"local_crops_number must be an integer >= 0, got {local_crops_number!r}")
@@ -206,6 +231,15 @@ class MultiCropTransform:
             _crop_pipeline(gsize, gscale, c["global_blur_probs"][k], c["global_solarize_probs"][k], **shared)
             for k in range(2)
         ]
+        # With Gram crops: the box and flip are drawn here (_same_box), the rest is each global crop's pipeline.
+        self.global_photometric = [
+            _crop_pipeline(None, gscale, c["global_blur_probs"][k], c["global_solarize_probs"][k], **shared)
+            for k in range(2)
+        ]
+        self.plain = v2.Compose(shared_plain(c["mean"], c["std"]))
+        self.gram_crops_size = (
+            None if gram_crops_size is None else _check_size("gram_crops_size", gram_crops_size)
+        )
         self.local_transform = _crop_pipeline(
             c["local_crops_size"],
             c["local_crops_scale"],
@@ -222,13 +256,38 @@ class MultiCropTransform:
         if isinstance(image, torch.Tensor) and image.is_floating_point():
             # Solarize's threshold and the colour ops are defined on the uint8 scale.
             image = F.to_dtype(image, torch.uint8, scale=True)
-        crops = [t(image) for t in self.global_transforms]
+        if self.gram_crops_size is None:
+            crops = [t(image) for t in self.global_transforms]
+        else:
+            crops, gram = [], []
+            for photometric in self.global_photometric:  # box, flip, then photometric draws: as without
+                global_crop, gram_crop = self._same_box(image)
+                crops.append(photometric(global_crop))
+                gram.append(self.plain(gram_crop))
         crops += [self.local_transform(image) for _ in range(self.config["local_crops_number"])]
-        return crops
+        return crops if self.gram_crops_size is None else {"crops": crops, "gram_crops": gram}
+
+    def _same_box(self, image: Image.Image | torch.Tensor) -> tuple[Any, Any]:
+        """(global crop, Gram teacher's crop) of one box and flip, drawn as ``RandomResizedCrop`` then
+        ``RandomHorizontalFlip`` draw them (the same torch draws as the pipeline without Gram crops)."""
+        c = self.config
+        height, width = F.get_size(image)
+        shape_only = torch.empty(1).expand(1, height, width)  # get_params reads the shape only
+        top, left, h, w = _V1RandomResizedCrop.get_params(
+            shape_only, list(c["global_crops_scale"]), [3 / 4, 4 / 3]
+        )
+        flip = bool(torch.rand(1) < c["flip_prob"])
+        mode = _interpolation(c["interpolation"])
+        out = []
+        for size in (c["global_crops_size"], self.gram_crops_size):
+            crop = F.resized_crop(image, top, left, h, w, [size, size], interpolation=mode, antialias=True)
+            out.append(F.horizontal_flip(crop) if flip else crop)
+        return out[0], out[1]
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
-        return f"{type(self).__name__}({args})"
+        gram = "" if self.gram_crops_size is None else f", gram_crops_size={self.gram_crops_size}"
+        return f"{type(self).__name__}({args}{gram})"
 
 
 def eval_transform(

@@ -346,7 +346,12 @@ class Distill(DINO):
             return self.teacher.tokens(global_crops)
 
     def compute_losses(
-        self, crops: list[Tensor], masks: MaskedPatches | None, epoch: int, update_center: bool
+        self,
+        crops: list[Tensor],
+        masks: MaskedPatches | None,
+        epoch: int,
+        update_center: bool,
+        gram_crops: list[Tensor] | None = None,  # always None: Gram anchoring is refused here (__init__)
     ) -> StepLosses:
         batch_size = crops[0].shape[0]
         sizes = {tuple(c.shape[-2:]) for c in crops[:NUM_GLOBAL_CROPS]}

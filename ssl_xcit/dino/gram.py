@@ -7,11 +7,18 @@ negative similarities of both matrices to 0 first (DINOv3's ``remove_neg``; its 
 
 Which features (DINOv3's ``SSLMetaArch.get_gram_teacher_output``): the student's final-norm patch tokens of its
 global crops from the DINO/iBOT pass itself (masked when iBOT masks them), and the Gram teacher's final-norm
-patch tokens of the same crops. With ``resolution_scale`` 2 the Gram teacher sees each global crop at twice its
-side and its patch features are resized bicubically (no antialias, ``align_corners=False``) to the student's
-patch grid. DINOv3's loader gives the Gram teacher its own crop at twice the size; here the loader makes one
-size, so the global crop itself is upsampled bicubically: the teacher gets the denser token grid, not detail
-the crop never had.
+patch tokens of its own crops (DINOv3's ``gram_teacher_crops`` with ``gram_teacher_no_distortions``): the loader
+cuts, for each global crop, the same box with the same flip at ``resolution_scale`` x its side, with no
+photometric distortion (``ssl_xcit.data.transforms`` on the CPU path, ``ssl_xcit.data.crops`` and
+``ssl_xcit.data.device_crops`` on the device path); a batch carries them as ``{"crops": [...], "gram_crops":
+[...]}`` (:func:`gram_crops_from_batch`). The Gram teacher's patch features are resized bicubically (no
+antialias, ``align_corners=False``) to the student's patch grid.
+
+Schedule (DINOv3's ``train.py`` and ``gram.loss_weight_schedule``): the weight is 0 before ``gram_start_step``,
+then a half cosine from 0 to ``gram_loss_weight`` over ``gram_weight_warmup_steps`` steps (``schedules.gram_ramp``),
+then constant. The Gram teacher is refreshed from the EMA teacher after iteration ``it`` (before step
+``it + 1``) when ``(it + 1) % gram_refresh_every == 0`` and ``it + 1 > gram_start_step`` (DINOv3's
+``it_first_update`` = ``gram_start_step + 1``), at most ``gram_max_refreshes`` times (:meth:`GramTeacher.update`).
 
 Memory: one N x N float32 matrix per image grows as the square of the token count (XCiT/8 at 448 px: N = 3,136,
 39 MB an image). Images are taken in chunks of at most :data:`CHUNK_BYTES` of Gram matrix each; with more than
@@ -37,6 +44,7 @@ from ssl_xcit.models.base import MASKING_FAMILIES
 # Gram-matrix bytes per chunk of images (float32). Below it a batch is one chunk (no recomputation); above it
 # the peak of the term is a few chunks, whatever the batch.
 CHUNK_BYTES = 128 * 2**20
+NUM_GRAM_CROPS = 2  # one per global crop
 
 
 def _chunk_sum(student: torch.Tensor, teacher: torch.Tensor, remove_negative: bool) -> torch.Tensor:
@@ -140,12 +148,12 @@ class GramTeacher(nn.Module):
         weight: the term's weight from ``start_step`` on.
         start_step: the optimiser step from which the term counts; with no ``source``, the EMA teacher of that
             step is snapshotted before the step's forward.
-        refresh_every: the Gram teacher is replaced by the EMA teacher every this many steps after
-            ``start_step`` (0 = never).
+        refresh_every: the Gram teacher is replaced by the EMA teacher before every step that is a multiple of
+            this after ``start_step`` (0 = never; DINOv3's rule, :meth:`refreshes_due`).
         max_refreshes: at most this many replacements.
         source: any SOURCE ``--model.init_from`` reads, loaded by :func:`read_gram_source` when a fit starts
             (then ``initialised``), or None for the snapshot.
-        resolution_scale: 1, or 2 for the global crops at twice their side for the Gram teacher.
+        resolution_scale: the Gram teacher's crop side / the global crop's (1 or 2; the loader cuts them).
         remove_negative: negative similarities count as 0 (DINOv3's ``remove_neg``).
     """
 
@@ -190,11 +198,22 @@ class GramTeacher(nn.Module):
         """The term's weight at optimiser ``step`` (0 before ``start_step`` or before a Gram teacher is held)."""
         return self.weight if step >= self.start_step and self.initialised else 0.0
 
+    def refreshes_due(self, step: int) -> int:
+        """Refreshes due before ``step``'s forward by DINOv3's rule: one after each iteration ``it`` with
+        ``(it + 1) % refresh_every == 0`` and ``it + 1 > start_step``, i.e. one per multiple of ``refresh_every``
+        in ``(start_step, step]``, at most ``max_refreshes``."""
+        if self.refresh_every <= 0:
+            return 0
+        due = step // self.refresh_every - self.start_step // self.refresh_every
+        return min(self.max_refreshes, max(0, due))
+
     @torch.no_grad()
     def update(self, teacher_backbone: nn.Module, step: int) -> None:
         """Before ``step``'s forward: take the first Gram teacher (the EMA teacher's snapshot; a ``source`` was
-        read at fit start) once ``step`` reaches ``start_step``, then replace it by the EMA teacher every
-        ``refresh_every`` steps, at most ``max_refreshes`` times. Host arithmetic and device copies only: nothing waits."""
+        read at fit start) once ``step`` reaches ``start_step``, then replace it by the EMA teacher whenever
+        :meth:`refreshes_due` rises. Refreshes due before the first Gram teacher was taken (a run that switched
+        the term on when it resumed) count as spent, as DINOv3 counts them when it resumes. Idempotent for the
+        micro-batches of one step. Host arithmetic and device copies only: nothing waits."""
         if step < self.start_step:
             return
         if not self.initialised:
@@ -204,11 +223,11 @@ class GramTeacher(nn.Module):
                 )
             self._copy_from(teacher_backbone)
             self.initialised = True
+            self.refreshes = self.refreshes_due(step)
             return
-        due = self.start_step + (self.refreshes + 1) * self.refresh_every
-        if self.refresh_every > 0 and self.refreshes < self.max_refreshes and step >= due:
+        if self.refreshes < self.refreshes_due(step):
             self._copy_from(teacher_backbone)
-            self.refreshes += 1
+            self.refreshes = self.refreshes_due(step)
 
     def _copy_from(self, teacher_backbone: nn.Module) -> None:
         # Parameters and every buffer, the non-persistent ones too.
@@ -224,18 +243,14 @@ class GramTeacher(nn.Module):
         self.initialised, self.refreshes = bool(values[0]), int(values[1])
 
     # ------------------------------------------------------------------------------------------ loss
-    def loss(self, global_crops: torch.Tensor, student_patches: torch.Tensor) -> torch.Tensor:
-        """The Gram loss of the student's patch tokens (G*B, N, C) of ``global_crops`` (G*B, 3, H, W) against
-        the Gram teacher's of the same crops (at ``resolution_scale`` x their side)."""
-        grid = self.backbone.token_grid(*global_crops.shape[-2:])
+    def loss(
+        self, gram_crops: torch.Tensor, student_patches: torch.Tensor, grid: tuple[int, int]
+    ) -> torch.Tensor:
+        """The Gram loss of the student's patch tokens (G*B, N, C) on its patch ``grid`` against the Gram
+        teacher's of its own crops ``gram_crops`` (G*B, 3, s*H, s*W), resized to that grid."""
         with torch.no_grad():
-            crops = global_crops
-            if self.resolution_scale != 1:
-                crops = F.interpolate(
-                    global_crops, scale_factor=self.resolution_scale, mode="bicubic", align_corners=False
-                )
-            _, tokens = self.backbone.forward_cls_patches(crops)
-            teacher = resize_patches(tokens, self.backbone.token_grid(*crops.shape[-2:]), grid)
+            _, tokens = self.backbone.forward_cls_patches(gram_crops)
+            teacher = resize_patches(tokens, self.backbone.token_grid(*gram_crops.shape[-2:]), grid)
         return gram_loss(student_patches, teacher, self.remove_negative)
 
 
@@ -280,6 +295,7 @@ def read_gram_source(module: Any) -> None:
     with torch.no_grad():
         gram.backbone.load_state_dict(state, strict=True)
     gram.initialised = True
+    gram.refreshes = gram.refreshes_due(int(module.global_step))  # a resumed run's past ones count as spent
     rank_zero_info(f"gram_teacher {gram.source}: loaded its teacher backbone")
 
 
@@ -301,8 +317,47 @@ def adapt_checkpoint_state(state: dict[str, torch.Tensor], gram_teacher: GramTea
     state[prefix + "_extra_state"] = torch.tensor([0, 0], dtype=torch.int64)
 
 
-def gram_term(model: Any, global_crops: list[torch.Tensor], student_patches: torch.Tensor | None):
-    """This step's Gram loss (a device tensor), or None when the term is off at this step."""
+def gram_crops_from_batch(batch: Any) -> list[torch.Tensor] | None:
+    """The Gram teacher's crops of a batch ``[{"crops": ..., "gram_crops": [...]}, labels, indices]`` (the
+    datamodule's when the model anchors), or None."""
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return first.get("gram_crops") if isinstance(first, Mapping) else None
+
+
+def check_gram_crops(
+    model: Any, crops: list[torch.Tensor], gram_crops: list[torch.Tensor] | None
+) -> torch.Tensor | None:
+    """The Gram teacher's crops of a step as one tensor (G*B, 3, s*H, s*W), or None when the model does not
+    anchor; a one-line UserError when the batch does not carry what the model needs."""
+    gram = getattr(model, "gram_teacher", None)
+    if gram is None:
+        if gram_crops is not None:
+            raise UserError(
+                "the batch carries the Gram teacher's crops but the model does not anchor (gram_loss_weight 0): "
+                "set --model.gram_loss_weight, or let the datamodule read the model (it does at setup)"
+            )
+        return None
+    b, c, h, w = crops[0].shape
+    want = (b, c, h * gram.resolution_scale, w * gram.resolution_scale)
+    got = [tuple(t.shape) for t in gram_crops] if gram_crops is not None else None
+    if got != [want] * NUM_GRAM_CROPS:
+        raise UserError(
+            f"Gram anchoring needs {NUM_GRAM_CROPS} Gram teacher crops of shape {want} (gram_resolution_scale "
+            f"{gram.resolution_scale} x the global crops) in each batch, got {got or 'none'}; train with "
+            "ssl_xcit.data.DINODataModule, which cuts them for a model that anchors"
+        )
+    return torch.cat(list(gram_crops))
+
+
+def gram_term(
+    model: Any,
+    gram_crops: torch.Tensor | None,
+    student_patches: torch.Tensor | None,
+    global_side: tuple[int, int],
+) -> torch.Tensor | None:
+    """This step's Gram loss (a device tensor), or None when the term is off at this step. ``global_side``: the
+    global crops' (H, W)."""
     if student_patches is None:
         return None
-    return model.gram_teacher.loss(torch.cat(list(global_crops)), student_patches)
+    grid = model.gram_teacher.backbone.token_grid(*global_side)
+    return model.gram_teacher.loss(gram_crops, student_patches, grid)

@@ -35,6 +35,13 @@ class DINOLifecycle(LightningModule):
         self.student.train(True)
         self.teacher.train(True)
 
+    @property
+    def gram_crops_scale(self) -> int | None:
+        """The Gram teacher's crop side / the global crops' when the model anchors (None: it does not): the
+        datamodule reads it at setup and cuts those crops into every batch (``ssl_xcit.dino.gram``)."""
+        gram = getattr(self, "gram_teacher", None)
+        return None if gram is None else gram.resolution_scale
+
     def on_fit_start(self) -> None:
         # After a resumed run's checkpoint is restored: --model.init_from loads into fresh runs only, and a
         # fixed Gram teacher is read only when the checkpoint does not already hold it.

@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
 from ssl_xcit.data.datasets import EmptyBatch
-from ssl_xcit.dino.gram import build_gram_teacher
+from ssl_xcit.dino.gram import build_gram_teacher, gram_crops_from_batch
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.init_from import check_init_settings, drop_backbone_gradients, head_warmup_steps
@@ -131,21 +131,22 @@ class DINO(DINOLifecycle):
         gram_start_step: the optimiser step from which the term counts; the EMA teacher of that step becomes the
             Gram teacher (DINOv3: 1M of 1.2M iterations, once dense quality peaked). 0 would anchor to the
             untrained initialisation: set it where dense quality is still good.
-        gram_weight_warmup_steps: steps over which the term's weight rises linearly from 0 at
-            ``gram_start_step`` to ``gram_loss_weight``. DINOv3's 7B run ramps to 2.0 over 1k iterations, to
-            spare a student that has trained 1M iterations without the term a sudden new gradient; its
-            high-resolution adaptation starts at its constant 1.5. 0 (default): the full weight at once; a
-            snapshot of the run's own EMA teacher is close to the student, so the term starts small anyway (a
-            fixed ``gram_teacher`` from elsewhere is where a ramp matters).
-        gram_refresh_every: steps between replacements of the Gram teacher by the EMA teacher (0 = never, the
+        gram_weight_warmup_steps: steps over which the term's weight rises from 0 at ``gram_start_step`` to
+            ``gram_loss_weight`` along DINOv3's half cosine (``schedules.gram_ramp``). DINOv3's 7B run ramps to
+            2.0 over 1k iterations, to spare a student that has trained 1M iterations without the term a sudden
+            new gradient; its high-resolution adaptation starts at its constant 1.5. 0 (default): the full
+            weight at once; a snapshot of the run's own EMA teacher is close to the student, so the term starts
+            small anyway (a fixed ``gram_teacher`` from elsewhere is where a ramp matters).
+        gram_refresh_every: the Gram teacher is replaced by the EMA teacher before each step after
+            ``gram_start_step`` that is a multiple of this (DINOv3's ``(it + 1) % freq`` rule; 0 = never, the
             default, as DINOv3's high-resolution adaptation; its 7B run refreshed every 10k iterations).
         gram_max_refreshes: at most this many replacements (3, as DINOv3's 7B run).
         gram_teacher: a fixed Gram teacher, used from ``gram_start_step``: any SOURCE ``init_from`` reads (its
             teacher backbone), read when a fresh fit starts and then carried by the run's checkpoints; None
             (default) snapshots the EMA teacher at that step.
-        gram_resolution_scale: 2 gives the Gram teacher the global crops at twice their side (upsampled
-            bicubically) and resizes its patch features bicubically to the student's grid, as DINOv3's
-            high-resolution Gram teacher; 1 (default) costs no extra compute.
+        gram_resolution_scale: the Gram teacher's own crops (the datamodule cuts them: each global crop's box
+            and flip, undistorted) at this x the global side, 1 (default) or 2 (DINOv3's); its patch features
+            are resized bicubically to the student's grid.
         gram_remove_negative: count negative similarities as 0 on both sides (DINOv3's ``remove_neg``; off, as in
             its 7B config).
         sync_every_n_steps: steps between the host's reads of the device (the finite-loss check, the
@@ -296,10 +297,15 @@ class DINO(DINOLifecycle):
         return MaskedPatches.from_host(masks, global_crop.device)
 
     def compute_losses(
-        self, crops: list[torch.Tensor], masks: MaskedPatches | None, epoch: int, update_center: bool
+        self,
+        crops: list[torch.Tensor],
+        masks: MaskedPatches | None,
+        epoch: int,
+        update_center: bool,
+        gram_crops: list[torch.Tensor] | None = None,
     ) -> StepLosses:
         """This step's math (``ssl_xcit.dino.step.compute_losses``), shared by training and validation."""
-        return compute_losses(self, crops, masks, epoch, update_center)
+        return compute_losses(self, crops, masks, epoch, update_center, gram_crops)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         self._build_schedules()
@@ -328,7 +334,8 @@ class DINO(DINOLifecycle):
         if self.ibot:  # seeded by (run seed, rank, step, batch): a resumed run draws the same masks
             seed = [torch.initial_seed() % 2**63, self.global_rank, self.global_step, batch_idx]
             masks = self.draw_masks(crops[0], seed)
-        out = self.compute_losses(crops, masks, self.current_epoch, update_center=True)
+        gram = gram_crops_from_batch(batch)  # the Gram teacher's crops (None when the model does not anchor)
+        out = self.compute_losses(crops, masks, self.current_epoch, update_center=True, gram_crops=gram)
         self._finite.observe(out.total, self.global_step)
         with self._gradient_sync(window_end):
             self.manual_backward(out.total / accumulate)
@@ -444,6 +451,7 @@ class DINO(DINOLifecycle):
             seed = [torch.initial_seed() % 2**63, self.global_rank, self.trained_step, batch_idx, 1]
             masks = self.draw_masks(crops[0], seed)
         with torch.no_grad(), buffers_preserved(self):
-            out = self.compute_losses(crops, masks, self.trained_epoch, update_center=False)
+            gram = gram_crops_from_batch(batch)
+            out = self.compute_losses(crops, masks, self.trained_epoch, update_center=False, gram_crops=gram)
         log_losses(self, "val", out)
         return out.total

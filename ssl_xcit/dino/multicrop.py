@@ -126,12 +126,14 @@ def buffers_preserved(module: nn.Module) -> Iterator[None]:
 
 
 def crops_from_batch(batch: Any) -> list[torch.Tensor]:
-    """The list of crop tensors of a batch: ``(crops, labels, indices)`` from the DINO datamodule, or a bare
-    list of crops."""
-    if isinstance(batch, dict):
-        batch = batch.get("crops", batch.get("images"))
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (list, tuple)):
+    """The list of DINO's crop tensors of a batch: ``(crops, labels, indices)`` from the DINO datamodule, or a
+    bare list of crops."""
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (list, tuple, dict)):
         batch = batch[0]
+    if isinstance(
+        batch, dict
+    ):  # {"crops": ..., "gram_crops": ...} with the Gram teacher's (ssl_xcit.dino.gram)
+        batch = batch.get("crops", batch.get("images"))
     if isinstance(batch, torch.Tensor):
         return [batch]
     if not isinstance(batch, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in batch):

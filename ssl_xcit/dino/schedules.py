@@ -142,16 +142,19 @@ def linear_warmup(value: float, warmup_epochs: float, epochs: int, iters_per_epo
 
 
 def gram_ramp(value: float, start_step: int, warmup_steps: int, total_steps: int) -> np.ndarray | None:
-    """The Gram term's weight per iteration: 0 before ``start_step``, then rising linearly from 0 to ``value``
-    over ``warmup_steps`` (as :func:`linear_warmup`; 0: ``value`` at once), then ``value``. At least one entry
-    past the ramp, so a term that starts after the planned run, or a run extended past it, reads ``value``.
-    None when ``value`` is 0 (the term is off)."""
+    """The Gram term's weight per iteration, DINOv3's ``linear_warmup_cosine_decay(start=0, peak=0, end=value,
+    warmup_iterations=start_step, cosine_iterations=warmup_steps)``: 0 before ``start_step``, then
+    ``value * (1 - cos(pi * k / (warmup_steps - 1))) / 2`` at ``start_step + k`` for ``0 <= k < warmup_steps``
+    (a half cosine from 0 up to ``value`` at its last step; one step: 0), then ``value`` (0: ``value`` at once).
+    At least one entry past the ramp, so a term that starts after the planned run, or a run extended past it,
+    reads ``value``. None when ``value`` is 0 (the term is off)."""
     if not value > 0:
         return None
     schedule = np.full(max(total_steps, start_step + warmup_steps + 1), float(value))
     schedule[:start_step] = 0.0
     if warmup_steps > 0:
-        schedule[start_step : start_step + warmup_steps] = value * np.arange(warmup_steps) / warmup_steps
+        rise = (1.0 - np.cos(np.linspace(0.0, np.pi, warmup_steps))) / 2.0
+        schedule[start_step : start_step + warmup_steps] = value * rise
     return schedule
 
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from lightning.pytorch import LightningModule
 
-from ssl_xcit.dino.gram import gram_term
+from ssl_xcit.dino.gram import check_gram_crops, gram_term
 from ssl_xcit.dino.ibot import MaskedPatches, masked_forward
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.loss import DINOLossOutput
@@ -59,12 +59,19 @@ class StepLosses(NamedTuple):
 
 
 def compute_losses(
-    model: Any, crops: list[torch.Tensor], masks: MaskedPatches | None, epoch: int, update_center: bool
+    model: Any,
+    crops: list[torch.Tensor],
+    masks: MaskedPatches | None,
+    epoch: int,
+    update_center: bool,
+    gram_crops: list[torch.Tensor] | None = None,
 ) -> StepLosses:
     """One step's math, needing no Trainer: teacher (no grad) and student forwards, the DINO, KoLeo,
     iBOT and Gram losses and their total. ``masks``: iBOT's (None when off); ``update_center``: move the EMA
-    centres (training) or not (validation)."""
+    centres (training) or not (validation); ``gram_crops``: the Gram teacher's crops of the batch, which a
+    model that anchors needs (``ssl_xcit.dino.gram.check_gram_crops``)."""
     batch_size = crops[0].shape[0]
+    gram_input = check_gram_crops(model, crops, gram_crops)
     gram_on = getattr(model, "gram_weight_now", 0.0) > 0  # a host float of this step (ssl_xcit.dino.gram)
     student_patches = None
     if masks is not None:
@@ -105,7 +112,7 @@ def compute_losses(
         )
         # The weight of this step (ibot_weight_warmup_epochs ramps it up), a host float: no device read.
         total = total + model.ibot_weight_now * patch.loss
-    gram = gram_term(model, crops[:NUM_GLOBAL_CROPS], student_patches)
+    gram = gram_term(model, gram_input, student_patches, tuple(crops[0].shape[-2:]))
     if gram is not None:
         total = total + model.gram_weight_now * gram
     return StepLosses(total, dino, koleo, patch, batch_size, gram=gram)

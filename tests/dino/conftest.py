@@ -25,10 +25,12 @@ TINY = dict(
 
 class RandomCrops(Dataset):
     """``n`` items of 2 global (16 px) + 2 local (8 px) crops. The crops draw from the global torch RNG like a
-    random augmentation would, so a resumed run only matches if RNG states are restored."""
+    random augmentation would, so a resumed run only matches if RNG states are restored. ``gram_scale``: with
+    the Gram teacher's crops, ``{"crops": ..., "gram_crops": ...}`` as the datamodule gives a model that anchors
+    (each global crop repeated to ``gram_scale`` x its side: no further draw)."""
 
-    def __init__(self, n: int = 16, noise: bool = True) -> None:
-        self.n, self.noise = n, noise
+    def __init__(self, n: int = 16, noise: bool = True, gram_scale: int = 0) -> None:
+        self.n, self.noise, self.gram_scale = n, noise, gram_scale
 
     def __len__(self) -> int:
         return self.n
@@ -43,6 +45,10 @@ class RandomCrops(Dataset):
             if self.noise:
                 x = x + 0.5 * torch.randn_like(x)
             crops.append(x)
+        if self.gram_scale:
+            s = self.gram_scale
+            gram = [c.repeat_interleave(s, -1).repeat_interleave(s, -2) for c in crops[:2]]
+            return {"crops": crops, "gram_crops": gram}, label, i
         return crops, label, i
 
 
@@ -90,8 +96,12 @@ def tiny_trainer(tmp_path, max_epochs: int = 2, callbacks=(), **kwargs) -> L.Tra
     )
 
 
-def tiny_loader(n: int = 16, batch_size: int = 4, shuffle: bool = True, noise: bool = True) -> DataLoader:
-    return DataLoader(RandomCrops(n, noise), batch_size=batch_size, shuffle=shuffle, drop_last=True)
+def tiny_loader(
+    n: int = 16, batch_size: int = 4, shuffle: bool = True, noise: bool = True, gram_scale: int = 0
+) -> DataLoader:
+    return DataLoader(
+        RandomCrops(n, noise, gram_scale), batch_size=batch_size, shuffle=shuffle, drop_last=True
+    )
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ teacher's schedule, sources and resume, settings errors, and the term inside DIN
 from __future__ import annotations
 
 import itertools
+import math
 
 import lightning as L
 import numpy as np
@@ -95,7 +96,9 @@ def _equal(a, b):
 
 
 def test_snapshot_then_refreshes_on_schedule():
-    model = tiny(gram_loss_weight=2.0, gram_start_step=3, gram_refresh_every=2, gram_max_refreshes=1)
+    """DINOv3's rule: refreshes before the steps that are multiples of refresh_every after the start (here 4
+    and 8, where counting from the start step would give 7 and 11), once per step, at most max_refreshes."""
+    model = tiny(gram_loss_weight=2.0, gram_start_step=3, gram_refresh_every=4, gram_max_refreshes=2)
     gram, teacher = model.gram_teacher, model.teacher.backbone
 
     def nudge():  # the EMA teacher moves between steps
@@ -110,15 +113,53 @@ def test_snapshot_then_refreshes_on_schedule():
     gram.update(teacher, 3)  # the snapshot
     snapshot = _params(gram.backbone)
     assert gram.initialised and gram.weight_at(3) == 2.0 and _equal(snapshot, _params(teacher))
+    assert gram.refreshes == 0
     nudge()
-    gram.update(teacher, 4)  # not due: 3 + 2
-    assert _equal(_params(gram.backbone), snapshot)
-    gram.update(teacher, 5)  # the refresh
+    gram.update(teacher, 4)  # (it + 1) = 4 is a multiple of 4: the first refresh
     assert gram.refreshes == 1 and _equal(_params(gram.backbone), _params(teacher))
+    refreshed = _params(gram.backbone)
     nudge()
-    gram.update(teacher, 7)  # max_refreshes reached
-    assert gram.refreshes == 1 and not _equal(_params(gram.backbone), _params(teacher))
+    for step in (4, 5, 6, 7):  # a micro-batch of the same step, then steps not due
+        gram.update(teacher, step)
+    assert gram.refreshes == 1 and _equal(_params(gram.backbone), refreshed)
+    gram.update(teacher, 8)  # the second refresh
+    assert gram.refreshes == 2 and _equal(_params(gram.backbone), _params(teacher))
+    nudge()
+    gram.update(teacher, 12)  # max_refreshes reached
+    assert gram.refreshes == 2 and not _equal(_params(gram.backbone), _params(teacher))
     assert not any(p.requires_grad for p in gram.parameters())
+
+
+def dinov3_refresh_steps(start, every, max_refreshes, n_iterations):
+    """The steps before which DINOv3's training loop has refreshed the Gram teacher, written as its loop runs:
+    after iteration ``it``, if ``it + 1 >= it_first_update`` and ``(it + 1) % every == 0`` and fewer than
+    ``max_refreshes`` so far; ``it_first_update`` is the step after our start step."""
+    done, steps = 0, []
+    for it in range(n_iterations):
+        if it + 1 >= start + 1 and (it + 1) % every == 0 and done < max_refreshes:
+            steps.append(it + 1)
+            done += 1
+    return steps
+
+
+@pytest.mark.parametrize(
+    "start, every, max_refreshes", [(0, 3, 3), (5, 3, 2), (6, 3, 5), (7, 1, 3), (2, 4, 0)]
+)
+def test_refreshes_follow_dinov3s_loop(start, every, max_refreshes):
+    model = tiny(
+        gram_loss_weight=1.0,
+        gram_start_step=start,
+        gram_refresh_every=every,
+        gram_max_refreshes=max_refreshes,
+    )
+    gram, ours = model.gram_teacher, []
+    for step in range(20):
+        before = gram.refreshes
+        for _ in range(2):  # two micro-batches of one step
+            gram.update(model.teacher.backbone, step)
+        if gram.refreshes != before:
+            ours.append(step)
+    assert ours == dinov3_refresh_steps(start, every, max_refreshes, 19)
 
 
 def _teacher_differs(model):
@@ -214,7 +255,9 @@ def test_a_resumed_run_needs_no_gram_teacher_file(tmp_path):
     want = _our_ckpt(tmp_path / "gram.ckpt")
     opts = dict(gram_loss_weight=1.0, gram_start_step=1, gram_teacher=str(tmp_path / "gram.ckpt"))
     record = _GramState()
-    tiny_trainer(tmp_path, max_epochs=1, callbacks=[record]).fit(tiny(**opts), tiny_loader(n=8, batch_size=4))
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[record]).fit(
+        tiny(**opts), tiny_loader(n=8, batch_size=4, gram_scale=1)
+    )
     source = [want[k] for k in tiny(**opts).gram_teacher.backbone.state_dict() if "num_batches" not in k]
     assert [s[:2] for s in record.states] == [(1, True), (2, True)] and _equal(record.states[-1][3], source)
     (tmp_path / "gram.ckpt").unlink()
@@ -224,22 +267,50 @@ def test_a_resumed_run_needs_no_gram_teacher_file(tmp_path):
     assert loaded.gram_teacher.initialised and _equal(_params(loaded.gram_teacher.backbone), source)
     after = _GramState()
     trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[after])
-    trainer.fit(tiny(**opts), tiny_loader(n=8, batch_size=4), ckpt_path=last)
+    trainer.fit(tiny(**opts), tiny_loader(n=8, batch_size=4, gram_scale=1), ckpt_path=last)
     assert [s[:2] for s in after.states] == [(3, True), (4, True)] and _equal(after.states[0][3], source)
 
 
-def test_the_gram_weight_ramp_per_iteration():
+def dinov3_gram_weight(value, start, warmup, step):
+    """DINOv3's ``linear_warmup_cosine_decay(start=0, peak=0, end=value, warmup_iterations=start,
+    cosine_iterations=warmup)`` at ``step``, one entry at a time: a linear part from 0 to 0, then
+    ``(peak - end) * (cos(pi * k / (warmup - 1)) + 1) / 2 + end`` (``np.linspace(0, pi, warmup)``), then ``end``."""
+    if step < start:
+        return 0.0
+    k = step - start
+    if k >= warmup:
+        return value
+    angle = math.pi * k / (warmup - 1) if warmup > 1 else 0.0
+    return (0.0 - value) * (math.cos(angle) + 1) / 2 + value
+
+
+def test_the_gram_weight_ramp_is_dinov3s_cosine():
     from ssl_xcit.dino.schedules import dino_schedules, gram_ramp
 
-    np.testing.assert_array_equal(gram_ramp(2.0, 2, 4, 10), [0, 0, 0, 0.5, 1, 1.5, 2, 2, 2, 2])
-    np.testing.assert_array_equal(gram_ramp(2.0, 2, 0, 6), [0, 0, 2, 2, 2, 2])  # 0: constant from the start
+    for value, start, warmup, total in [
+        (2.0, 2, 4, 10),
+        (2.0, 1000, 1000, 2200),
+        (1.5, 3, 1, 8),
+        (2.0, 2, 0, 6),
+    ]:
+        want = [dinov3_gram_weight(value, start, warmup, i) for i in range(total)]
+        np.testing.assert_allclose(gram_ramp(value, start, warmup, total), want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(gram_ramp(2.0, 2, 4, 8), [0, 0, 0, 0.5, 1.5, 2, 2, 2], atol=1e-12)  # by hand
     assert gram_ramp(0.0, 2, 4, 10) is None
-    late = gram_ramp(1.0, 9, 2, 10)  # starts after the planned run: still ramps, then holds the weight
-    np.testing.assert_array_equal(late, [0] * 9 + [0, 0.5, 1])
-    hp = {**tiny(gram_loss_weight=2.0).hparams, "gram_start_step": 1, "gram_weight_warmup_steps": 4}
+    late = gram_ramp(1.0, 9, 3, 10)  # starts after the planned run: still ramps, then holds the weight
+    np.testing.assert_allclose(late, [0] * 9 + [0, 0.5, 1, 1], atol=1e-12)
+    hp = {**tiny(gram_loss_weight=2.0).hparams, "gram_start_step": 1, "gram_weight_warmup_steps": 3}
     s = dino_schedules(hp, epochs=2, batches=3, per_device_batch=4, world_size=1)
-    assert [s.gram_weight_at(i) for i in range(8)] == [0, 0, 0.5, 1, 1.5, 2, 2, 2]
+    assert [s.gram_weight_at(i) for i in range(8)] == pytest.approx([0, 0, 1, 2, 2, 2, 2, 2], abs=1e-12)
     assert dino_schedules(tiny().hparams, 2, 3, 4, 1).gram_weight_at(5) == 0.0
+
+
+def _gram_crops(crops, scale, seed=5):
+    """Gram teacher crops of the global crops' shape at ``scale`` x their side, of other content than theirs,
+    so a term computed from the global crops shows."""
+    b, c, h, w = crops[0].shape
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, c, h * scale, w * scale, generator=gen) for _ in range(2)]
 
 
 def test_the_step_uses_the_ramped_weight():
@@ -249,19 +320,67 @@ def test_the_step_uses_the_ramped_weight():
     model = tiny(drop_path_rate=0.0, gram_loss_weight=2.0, gram_start_step=1, gram_weight_warmup_steps=4)
     model.schedules = dino_schedules(model.hparams, epochs=1, batches=8, per_device_batch=2, world_size=1)
     crops = [torch.randn(2, 3, s, s) for s in (32, 32, 16, 16)]
-    off = model.compute_losses(crops, None, 0, update_center=False)
+    gram_crops = _gram_crops(crops, 1)
     model._update_gram_teacher(1)  # the snapshot, at weight 0: no term yet
     assert model.gram_teacher.initialised and model.gram_weight_now == 0.0
-    assert model.compute_losses(crops, None, 0, update_center=False).gram is None
-    with torch.no_grad():  # a student away from the snapshot: a term worth weighing
-        for p in model.student.backbone.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    off = model.compute_losses(crops, None, 0, update_center=False)
+    assert model.compute_losses(crops, None, 0, update_center=False, gram_crops=gram_crops).gram is None
+    off = model.compute_losses(crops, None, 0, update_center=False, gram_crops=gram_crops)
     model._update_gram_teacher(3)
-    assert model.gram_weight_now == 1.0  # 2.0 * (3 - 1) / 4
-    on = model.compute_losses(crops, None, 0, update_center=False)
+    assert model.gram_weight_now == pytest.approx(1.5)  # 2.0 * (1 - cos(pi * 2 / 3)) / 2
+    on = model.compute_losses(crops, None, 0, update_center=False, gram_crops=gram_crops)
     assert float(on.gram) > 0
-    torch.testing.assert_close(on.total, off.total + 1.0 * on.gram)
+    torch.testing.assert_close(on.total, off.total + 1.5 * on.gram)
+
+
+def test_the_term_is_computed_on_the_gram_teachers_own_crops():
+    """Gram loss = an independent float64 computation: the student's patch tokens of its global crops, the Gram
+    teacher's of its own crops (twice the side), resized bicubically to the student's grid."""
+    torch.manual_seed(0)
+    model = tiny(
+        backbone="vit_tiny_patch16_224", drop_path_rate=0.0, gram_loss_weight=1.0, gram_resolution_scale=2
+    )
+    crops = [torch.randn(2, 3, s, s) for s in (32, 32, 16, 16)]
+    gram_crops = _gram_crops(crops, 2)
+    model._update_gram_teacher(0)
+    with torch.no_grad():  # a student away from the snapshot
+        for p in model.student.backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out = model.compute_losses(crops, None, 0, update_center=False, gram_crops=gram_crops)
+    with torch.no_grad():
+        _, student = model.student.backbone.forward_cls_patches(torch.cat(crops[:2]))
+        _, teacher = model.gram_teacher.backbone.forward_cls_patches(torch.cat(gram_crops))
+    maps = teacher.double().transpose(1, 2).reshape(4, -1, 4, 4)  # 64 px / 16: a 4 x 4 grid
+    small = torch.nn.functional.interpolate(maps, size=(2, 2), mode="bicubic", align_corners=False)
+    want = reference_gram_loss(student.double(), small.flatten(2).transpose(1, 2))
+    assert abs(float(out.gram) - float(want)) < 1e-6 and float(want) > 1e-4
+    from_globals = model.gram_teacher.backbone.forward_cls_patches(
+        torch.nn.functional.interpolate(torch.cat(crops[:2]), scale_factor=2, mode="bicubic")
+    )[1]
+    assert not torch.allclose(
+        from_globals, teacher
+    )  # the old input (upsampled global crops) gives another term
+
+
+def test_a_batch_without_the_gram_crops_the_model_needs_is_one_line():
+    crops = [torch.randn(2, 3, s, s) for s in (32, 32, 16, 16)]
+    anchored = tiny(gram_loss_weight=1.0, gram_resolution_scale=2)
+    cases = [
+        (anchored, None, r"needs 2 Gram teacher crops of shape \(2, 3, 64, 64\) .* got none; train with"),
+        (
+            anchored,
+            _gram_crops(crops, 1),
+            r"of shape \(2, 3, 64, 64\) .* got \[\(2, 3, 32, 32\), \(2, 3, 32, 32\)\]",
+        ),
+        (
+            tiny(),
+            _gram_crops(crops, 1),
+            "the batch carries the Gram teacher's crops but the model does not anchor",
+        ),
+    ]
+    for model, gram_crops, match in cases:
+        with pytest.raises(UserError, match=match) as err:
+            model.compute_losses(crops, None, 0, update_center=False, gram_crops=gram_crops)
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -301,10 +420,11 @@ def test_the_step_adds_the_weighted_term_for_each_family(backbone, ibot, scale):
     )
     crops = [torch.randn(2, 3, s, s) for s in (32, 32, 16, 16)]
     masks = model.draw_masks(crops[0], [0, 0, 0, 0]) if ibot else None
-    off = model.compute_losses(crops, masks, 0, update_center=False)
+    gram_crops = _gram_crops(crops, scale)
+    off = model.compute_losses(crops, masks, 0, update_center=False, gram_crops=gram_crops)
     assert off.gram is None  # before the Gram teacher is taken
     model._update_gram_teacher(0)
-    on = model.compute_losses(crops, masks, 0, update_center=False)
+    on = model.compute_losses(crops, masks, 0, update_center=False, gram_crops=gram_crops)
     assert on.gram is not None and float(on.gram) >= 0
     torch.testing.assert_close(on.total, off.total + 3.0 * on.gram)
     # The term alone reaches the student's backbone, never the Gram teacher.
@@ -312,8 +432,7 @@ def test_the_step_adds_the_weighted_term_for_each_family(backbone, ibot, scale):
     on.gram.backward()
     grads = [p.grad for p in model.student.backbone.parameters() if p.grad is not None]
     assert model.gram_teacher is not None and all(p.grad is None for p in model.gram_teacher.parameters())
-    if scale == 2 or ibot:  # the teacher's features differ from the student's: a non-zero gradient
-        assert grads and any(float(g.abs().sum()) > 0 for g in grads)
+    assert grads and any(float(g.abs().sum()) > 0 for g in grads)  # its own crops: other features
     # The student's patches of the masked pass, as DINOv3; at scale 2 the teacher sees 2x the tokens.
     grid = model.student.backbone.token_grid(32, 32)
     teacher_grid = model.gram_teacher.backbone.token_grid(32 * scale, 32 * scale)
@@ -345,14 +464,18 @@ def test_resume_restores_the_gram_teacher_and_its_refresh_count(tmp_path):
     opts = dict(gram_loss_weight=1.0, gram_start_step=1, gram_refresh_every=2, gram_max_refreshes=1)
     first, record = tiny(**opts), _GramState()
     trainer = tiny_trainer(tmp_path, max_epochs=1, callbacks=[record])
-    trainer.fit(first, tiny_loader(n=16, batch_size=4))  # 4 steps: snapshot before step 1, refresh before 3
+    trainer.fit(
+        first, tiny_loader(n=16, batch_size=4, gram_scale=1)
+    )  # 4 steps: snapshot before 1, refresh before 2
     assert "train/gram_loss" in trainer.callback_metrics
     step, initialised, refreshes, saved, ema = record.states[-1]
     assert (step, initialised, refreshes) == (4, True, 1) and not _equal(saved, ema)
 
     resumed, after = tiny(**opts), _GramState()
     trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[after])
-    trainer.fit(resumed, tiny_loader(n=16, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    trainer.fit(
+        resumed, tiny_loader(n=16, batch_size=4, gram_scale=1), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+    )
     step, initialised, refreshes, weights, _ = after.states[0]
     assert (step, initialised, refreshes) == (5, True, 1)
     assert _equal(weights, saved)  # the saved Gram teacher, neither the EMA teacher nor a new snapshot
@@ -366,7 +489,9 @@ def test_a_run_switches_the_term_on_or_off_when_it_resumes(tmp_path):
     tiny_trainer(tmp_path, max_epochs=1).fit(tiny(), tiny_loader(n=16, batch_size=4))  # 4 steps, no Gram
     on, record = tiny(gram_loss_weight=1.0, gram_start_step=5), _GramState()
     trainer = tiny_trainer(tmp_path, max_epochs=2, callbacks=[record])
-    trainer.fit(on, tiny_loader(n=16, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    trainer.fit(
+        on, tiny_loader(n=16, batch_size=4, gram_scale=1), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+    )
     assert [(s[0], s[1]) for s in record.states] == [(5, False), (6, True), (7, True), (8, True)]
     assert "train/gram_loss" in trainer.callback_metrics
 

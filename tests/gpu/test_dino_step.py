@@ -95,13 +95,17 @@ def _one_step(
         )
         assert next(model.parameters()).dtype == dtype
         crops = [torch.randn(4, 3, s, s, dtype=dtype) for s in (32, 32, 16, 16)]
+        # The Gram teacher's own crops, as the loader cuts them (gram_scale x the global side).
+        gram_crops = (
+            [torch.randn(4, 3, 32 * gram_scale, 32 * gram_scale, dtype=dtype)] * 2 if gram_scale else None
+        )
         guard = CollapseGuard("warn", patience=5, grace_steps=0)
         guard.read_every = 50
         watch = NoBlockingCopies()  # the step, not the construction
         watch.__enter__()
         masks = model.draw_masks(crops[0], [0, 0, 0, 0]) if ibot else None
         model._update_gram_teacher(0)  # Gram anchoring's snapshot of the EMA teacher at its start step
-        out = model.compute_losses(crops, masks, epoch=0, update_center=True)
+        out = model.compute_losses(crops, masks, epoch=0, update_center=True, gram_crops=gram_crops)
         model._finite.observe(out.total, step=0)
         assert out.total.requires_grad and out.total.grad_fn is not None
         # autograd's engine asks the CUDA runtime for a primary context of the tensors' device
