@@ -2,11 +2,10 @@
 
 A training batch is ``[crops, labels, indices]``: ``crops`` is a list of ``2 + local_crops_number`` float
 tensors, the two global crops (B, 3, G, G) first, then the local ones (B, 3, L, L); ``labels`` is -1 for
-unlabelled data. When the model anchors (Gram anchoring), ``crops`` is ``{"crops": [...], "gram_crops": [...]}``,
-the two Gram teacher's crops of the global crops' boxes at ``gram_resolution_scale`` x G, undistorted:
-:meth:`DINODataModule.setup` reads that scale from the trainer's model (its ``gram_crops_scale``). Items whose file cannot be decoded are dropped from their batch (so a batch can be smaller
-than ``batch_size``; ``None`` if every item failed). The number of skipped files is available as
-``num_skipped`` (it counts files flagged by any DataLoader worker, see ``ssl_xcit.data.image_dataset``) and is
+unlabelled data; for a model that anchors, ``{"crops": [...], "gram_crops": [...]}`` (``use_gram_crops``).
+Items whose file cannot be decoded are dropped from their batch (so a batch can be smaller than ``batch_size``;
+``None`` if every item failed). The number of skipped files is available as ``num_skipped`` (it counts files
+flagged by any DataLoader worker, see ``ssl_xcit.data.image_dataset``) and is
 logged as ``data/skipped_images`` by the ``SkippedImagesLogger`` callback and summarised at ``teardown``.
 
 A prepared dataset (``ssl-xcit prepare``: LitData shards, a folder or an ``s3://`` / ``gs://`` URL) trains
@@ -254,7 +253,8 @@ class DINODataModule(L.LightningDataModule):
             ensure_synthetic_dataset()
 
     def use_gram_crops(self, scale: int | None) -> None:
-        """Cut the Gram teacher's crops at ``scale`` x the global crops' side into every batch (None: not)."""
+        """Cut the Gram teacher's 2 crops into every batch (None: not): each global crop's box and flip at ``scale``
+        x its side, undistorted. ``setup`` reads ``scale`` from the trainer's model (its ``gram_crops_scale``)."""
         size = None if scale is None else int(scale) * self.hparams.global_crops_size
         self.cpu_transform.gram_crops_size = self.geometry.gram_crops_size = size
 
