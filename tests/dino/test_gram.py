@@ -1,5 +1,6 @@
 """DINOv3's Gram anchoring (``ssl_xcit.dino.gram``): the loss against a float64 formula, its chunking, the Gram
-teacher's schedule, sources and resume, settings errors, and the term inside DINO's step for each family."""
+teacher's sources and resume, settings errors, the term inside DINO's step for each family and on the Gram
+teacher's own crops, and the one-line errors for a batch without them (schedule: ``test_gram_schedule.py``)."""
 
 from __future__ import annotations
 
