@@ -324,11 +324,9 @@ def gram_crops_from_batch(batch: Any) -> list[torch.Tensor] | None:
     return first.get("gram_crops") if isinstance(first, Mapping) else None
 
 
-def check_gram_crops(
-    model: Any, crops: list[torch.Tensor], gram_crops: list[torch.Tensor] | None
-) -> torch.Tensor | None:
-    """The Gram teacher's crops of a step as one tensor (G*B, 3, s*H, s*W), or None when the model does not
-    anchor; a one-line UserError when the batch does not carry what the model needs."""
+def check_gram_crops(model: Any, crops: list[torch.Tensor], gram_crops: list[torch.Tensor] | None) -> None:
+    """A one-line UserError when the batch's Gram teacher crops (a list of (B, 3, s*H, s*W), or None) are not
+    what the model needs: none for a model that does not anchor. Shapes only: nothing waits."""
     gram = getattr(model, "gram_teacher", None)
     if gram is None:
         if gram_crops is not None:
@@ -336,7 +334,7 @@ def check_gram_crops(
                 "the batch carries the Gram teacher's crops but the model does not anchor (gram_loss_weight 0): "
                 "set --model.gram_loss_weight, or let the datamodule read the model (it does at setup)"
             )
-        return None
+        return
     b, c, h, w = crops[0].shape
     want = (b, c, h * gram.resolution_scale, w * gram.resolution_scale)
     got = [tuple(t.shape) for t in gram_crops] if gram_crops is not None else None
@@ -346,12 +344,11 @@ def check_gram_crops(
             f"{gram.resolution_scale} x the global crops) in each batch, got {got or 'none'}; train with "
             "ssl_xcit.data.DINODataModule, which cuts them for a model that anchors"
         )
-    return torch.cat(list(gram_crops))
 
 
 def gram_term(
     model: Any,
-    gram_crops: torch.Tensor | None,
+    gram_crops: list[torch.Tensor] | None,
     student_patches: torch.Tensor | None,
     global_side: tuple[int, int],
 ) -> torch.Tensor | None:
@@ -360,4 +357,4 @@ def gram_term(
     if student_patches is None:
         return None
     grid = model.gram_teacher.backbone.token_grid(*global_side)
-    return model.gram_teacher.loss(gram_crops, student_patches, grid)
+    return model.gram_teacher.loss(torch.cat(list(gram_crops)), student_patches, grid)

@@ -71,7 +71,7 @@ def compute_losses(
     centres (training) or not (validation); ``gram_crops``: the Gram teacher's crops of the batch, which a
     model that anchors needs (``ssl_xcit.dino.gram.check_gram_crops``)."""
     batch_size = crops[0].shape[0]
-    gram_input = check_gram_crops(model, crops, gram_crops)
+    check_gram_crops(model, crops, gram_crops)
     gram_on = getattr(model, "gram_weight_now", 0.0) > 0  # a host float of this step (ssl_xcit.dino.gram)
     student_patches = None
     if masks is not None:
@@ -112,7 +112,7 @@ def compute_losses(
         )
         # The weight of this step (ibot_weight_warmup_epochs ramps it up), a host float: no device read.
         total = total + model.ibot_weight_now * patch.loss
-    gram = gram_term(model, gram_input, student_patches, tuple(crops[0].shape[-2:]))
+    gram = gram_term(model, gram_crops, student_patches, tuple(crops[0].shape[-2:]))
     if gram is not None:
         total = total + model.gram_weight_now * gram
     return StepLosses(total, dino, koleo, patch, batch_size, gram=gram)
