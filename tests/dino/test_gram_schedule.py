@@ -59,9 +59,7 @@ def dinov3_refresh_steps(start, every, max_refreshes, n_iterations):
     return steps
 
 
-@pytest.mark.parametrize(
-    "start, every, max_refreshes", [(0, 3, 3), (5, 3, 2), (6, 3, 5), (7, 1, 3), (2, 4, 0)]
-)
+@pytest.mark.parametrize("start, every, max_refreshes", [(0, 3, 3), (5, 3, 2), (7, 1, 3)])
 def test_refreshes_follow_dinov3s_loop(start, every, max_refreshes):
     model = tiny(
         gram_loss_weight=1.0,
