@@ -18,6 +18,7 @@ hook, else an exact shape match against its variants), so a checkpoint of anothe
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import warnings
@@ -197,7 +198,7 @@ def convert_state_dict(
     for family in families:
         hook = getattr(family_module(family), "convert_state_dict", None)
         if hook is not None:
-            out = hook(out)
+            out = hook(out, model) if "model" in inspect.signature(hook).parameters else hook(out)
     return out, dropped
 
 

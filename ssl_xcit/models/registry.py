@@ -7,7 +7,8 @@ Each family lives in ``ssl_xcit/models/<family>.py`` and exposes
 * optionally ``resolve_name(name) -> (variant, overrides) | None`` for aliases (timm's ``_224`` suffixes) and
   open-ended names (any timm ViT), ``infer_variant(state_dict)`` and ``convert_state_dict(state_dict)`` for
   checkpoint loading (the family's checkpoint filter, as timm's ``checkpoint_filter_fn``: it renames official
-  keys and drops those the family recomputes, before ``load_pretrained`` compares keys strictly),
+  keys and drops those the family recomputes, before ``load_pretrained`` compares keys strictly; a hook with a
+  ``model`` parameter also gets the model the weights are for),
   ``describe_variant(name)`` for summaries.
 
 Families are imported lazily from :data:`FAMILIES`; a family whose module is absent from this checkout is
@@ -29,7 +30,7 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import Backbone
 
 # Order of listing. Modules missing from a checkout are skipped (see _family_modules).
-FAMILIES: tuple[str, ...] = ("xcit", "cait", "vit", "crossformerpp", "bixt")
+FAMILIES: tuple[str, ...] = ("xcit", "cait", "vit", "crossformerpp", "bixt", "dinov3", "convnext")
 
 
 @dataclass(frozen=True)
