@@ -162,6 +162,16 @@ def convert_state_dict(state: Mapping[str, Tensor], model: nn.Module | None = No
     return out
 
 
+def infer_variant(state: Mapping[str, Tensor]) -> tuple[str, dict] | None:
+    """The ConvNeXt variant whose shapes the (timm-named) state has exactly; only ConvNeXt states are matched."""
+    if "stem.0.weight" not in state or "stages.0.blocks.0.conv_dw.weight" not in state:
+        return None
+    from ssl_xcit.models.checkpoint import _variant_shapes
+
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return next(((name, {}) for name in VARIANTS if _variant_shapes(name) == shapes), None)
+
+
 def resolve_name(name: str) -> tuple[str, dict] | None:
     """Any timm ``convnext_*`` name (the class is checked when the model is built)."""
     if name.startswith("convnext") and timm.is_model(name):

@@ -51,7 +51,7 @@ def timm_name(name: str) -> str | None:
     import timm
 
     family = name.split("_", 1)[0]
-    if family not in ("xcit", "cait", "vit"):  # the families built with timm's parameter names
+    if family not in ("xcit", "cait", "vit", "convnext"):  # timm's parameter names (DINOv3's ViTs are vit_*)
         return None
     return next((n for n in (name, f"{name}_224") if timm.is_model(n)), None)
 
