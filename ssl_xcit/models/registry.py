@@ -172,6 +172,25 @@ def create_model(name: str, **overrides) -> Backbone:
     return model
 
 
+# Families whose timm model gives no CLS and patch tokens as it is (a ConvNeXt's feature map, an Eva's mean pool).
+_ADOPTED_FROM_TIMM = ("dinov3", "convnext")
+
+
+def as_backbone(model: torch.nn.Module, spec: str) -> torch.nn.Module:
+    """timm's DINOv3 ViT or ConvNeXt built from ``spec`` (``NAME[.TAG][@FILE]``) as our backbone of that name
+    with the same tensors, which gives the final-norm CLS and patch tokens; any other model as it is."""
+    arch = spec.partition("@")[0].partition(".")[0]
+    try:
+        entry = resolve(arch)
+    except UserError:
+        return model
+    if entry.family not in _ADOPTED_FROM_TIMM:
+        return model
+    ours = create_model(arch)
+    ours.load_state_dict(model.state_dict(), strict=True)
+    return ours
+
+
 def describe(name: str) -> dict:
     """Registry facts about a variant: family, constructor arguments and family-specific details."""
     entry = resolve(name)
