@@ -19,7 +19,7 @@ computes them:
 
 Masking (iBOT, ``supports_masking``): ``enable_masking()`` adds the ``mask_token`` parameter; XCiT, ViT and CaiT
 replace the embedding of each masked patch with it after patch embedding and before the positional encoding
-(as iBOT and DINOv2 do), and ``forward_patch_tokens`` / ``forward_features`` take the same optional mask.
+(as iBOT and DINOv2 do), DINOv3's ViTs before the prefix tokens and the RoPE of attention (as DINOv3 does), and ``forward_patch_tokens`` / ``forward_features`` take the same optional mask.
 
 Class attributes: ``family`` (registry family), ``name`` (registry variant), ``embed_dim``, ``dense_dim``,
 ``size_multiple`` (input sides must be multiples of it), ``has_attention_maps``, ``gives_patch_tokens``

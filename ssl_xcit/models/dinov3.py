@@ -182,7 +182,9 @@ def is_meta_layout(state: Mapping[str, Tensor]) -> bool:
     return "storage_tokens" in state and "blocks.0.attn.wq.weight" not in state
 
 
-def _split_qkv_bias(key: str, state: Mapping[str, Tensor], model: nn.Module | None) -> dict[str, Tensor]:
+def _split_qkv_bias(
+    key: str, state: Mapping[str, Tensor], model: nn.Module | None, own: set[str] | None
+) -> dict[str, Tensor]:
     """Meta's fused ``qkv.bias`` as timm's ``q_bias`` / ``v_bias``. Its key part (held at 0 by Meta's
     ``bias_mask``) must be 0, since timm's Eva has none; a model without q/v biases takes only zero ones."""
     bias = state[key]
@@ -196,7 +198,7 @@ def _split_qkv_bias(key: str, state: Mapping[str, Tensor], model: nn.Module | No
             f"checkpoint key {key}: its key part is not zero (max |k| {k.abs().max():.3g}), "
             "which a DINOv3 ViT (timm's Eva) cannot hold"
         )
-    if model is not None and base + "q_bias" not in model.state_dict():
+    if own is not None and base + "q_bias" not in own:
         if torch.count_nonzero(q) or torch.count_nonzero(v):
             raise UserError(
                 f"checkpoint key {key} holds non-zero query/value biases, but {getattr(model, 'name', 'the model')} "
@@ -226,6 +228,7 @@ def convert_state_dict(state: Mapping[str, Tensor], model: nn.Module | None = No
     if not is_meta_layout(state):
         return dict(state)
     out: dict[str, Tensor] = {}
+    own = set(model.state_dict()) if model is not None else None
     for key, value in state.items():
         if key.endswith("qkv.bias_mask"):
             continue  # applied to its bias in _split_qkv_bias
@@ -235,7 +238,7 @@ def convert_state_dict(state: Mapping[str, Tensor], model: nn.Module | None = No
         if key.startswith("local_cls_norm."):
             continue  # the 7B's norm of local-crop CLS during pretraining; never used at evaluation
         if key.endswith("qkv.bias"):
-            out.update(_split_qkv_bias(key, state, model))
+            out.update(_split_qkv_bias(key, state, model, own))
             continue
         for old, new in _META_RENAMES:
             key = key.replace(old, new)
