@@ -29,10 +29,9 @@ from torch.utils.checkpoint import checkpoint
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import Backbone
 
-VARIANTS: dict[str, dict] = {
-    name: {"model_name": name}
-    for name in ("convnext_tiny", "convnext_small", "convnext_base", "convnext_large")
-}
+# Name -> stem width: a state dict of another width is not compared (building a variant takes a second).
+_STEM_WIDTHS = {"convnext_tiny": 96, "convnext_small": 96, "convnext_base": 128, "convnext_large": 192}
+VARIANTS: dict[str, dict] = {name: {"model_name": name} for name in _STEM_WIDTHS}
 
 
 class TimmConvNeXt(Backbone, ConvNeXt):
@@ -169,7 +168,9 @@ def infer_variant(state: Mapping[str, Tensor]) -> tuple[str, dict] | None:
     from ssl_xcit.models.checkpoint import _variant_shapes
 
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    return next(((name, {}) for name in VARIANTS if _variant_shapes(name) == shapes), None)
+    width = shapes["stem.0.weight"][0]
+    candidates = (name for name in VARIANTS if _STEM_WIDTHS[name] == width)
+    return next(((name, {}) for name in candidates if _variant_shapes(name) == shapes), None)
 
 
 def resolve_name(name: str) -> tuple[str, dict] | None:
