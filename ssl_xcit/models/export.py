@@ -38,6 +38,8 @@ CHECK_TOLERANCE = 1e-4  # max |exported - PyTorch| / max |PyTorch| over the chec
 STATIC_RESOLUTION = {
     "crossformerpp": "its attention groups tokens into windows whose layout and padding mask are chosen from the "
     "feature-map size, so one graph holds for one resolution",
+    "dinov3": "timm builds RoPE's sine and cosine tables from the patch grid's size as Python numbers, so one "
+    "graph holds for one resolution",
 }
 
 SAFETENSORS_NAME_KEY = "backbone"

@@ -97,6 +97,13 @@ def test_every_command_runs_on_the_family(name, photos, shared_data, tmp_path, m
     x = torch.randn(2, 3, size, size)
     with torch.no_grad():
         torch.testing.assert_close(theirs(x), teacher(x), rtol=1e-5, atol=1e-5)
+    # pt2: the ViT's graph holds one resolution (RoPE's tables), the ConvNeXt's any; each checked on export.
+    fixed = ["--fixed-resolution"] if name.startswith("vit_") else []
+    program = main(["export", str(ckpt), str(tmp_path / "teacher.pt2"), "--resolution", str(size), *fixed])
+    assert program["format"] == "pt2"
+    loaded = torch.export.load(str(tmp_path / "teacher.pt2")).module()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), teacher(x), rtol=1e-4, atol=1e-4)
     common = ["--resize-size", str(size + 8), "--crop-size", str(size), "--num-workers", "0", "--accelerator",
               "cpu", "--devices", "1", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]  # fmt: skip
     # embed: the export's embeddings of the val photos equal the backbone's.

@@ -311,3 +311,13 @@ def test_meta_dinov2_register_layout_converts_as_timms_converter_does():
     ours.load_state_dict(fitted_backbone_state(meta, ours, "backbone", "vit", "SRC"), strict=True)
     for key, value in ours.state_dict().items():
         torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_dynamic_resolution_program_is_refused_in_one_line_for_the_vit():
+    from ssl_xcit.models.export import check_resolution
+
+    model = create_model("vit_small_patch16_dinov3", **TINY)
+    with pytest.raises(UserError, match="RoPE's sine and cosine tables .* pass --fixed-resolution") as info:
+        check_resolution(model, 64, fixed_resolution=False)
+    assert "\n" not in str(info.value) and check_resolution(model, 64, fixed_resolution=True) is False
+    assert check_resolution(create_model("convnext_tiny", **CONVNEXT), 64, fixed_resolution=False) is True
