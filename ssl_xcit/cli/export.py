@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     parser.add_argument(
         "--fixed-resolution",
         action="store_true",
-        help="ONNX/pt2: only --resolution is accepted (needed for CrossFormer++); the batch stays dynamic",
+        help="ONNX/pt2: only --resolution is accepted (needed for CrossFormer++ and the DINOv3 ViTs); the batch stays dynamic",
     )
     args = parser.parse_args(None if argv is None else list(argv))
     try:

@@ -44,6 +44,7 @@ from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.module import DINO
 from ssl_xcit.dino.step import NUM_GLOBAL_CROPS, StepLosses
 from ssl_xcit.errors import UserError
+from ssl_xcit.models.registry import as_backbone
 
 OBJECTIVES = ("dino", "features")
 _OPTION = "--model.teacher"
@@ -149,7 +150,7 @@ def read_teacher(source: str | None) -> FrozenTeacher:
     if source.startswith(TIMM_PREFIX):
         model = _timm_teacher(source[len(TIMM_PREFIX) :])
         size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))[-1]
-        return FrozenTeacher(model, source, probe_size=int(size))
+        return FrozenTeacher(as_backbone(model, source[len(TIMM_PREFIX) :]), source, probe_size=int(size))
     checkpoint = read_source_file(source, _OPTION)  # a one-line error for a missing or unreadable file
     weights = weights_from_checkpoint(checkpoint, source)
     try:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import MASKING_FAMILIES
+from ssl_xcit.models.base import PATCH_TOKEN_FAMILIES
 
 # Gram-matrix bytes per chunk of images (float32). Below it a batch is one chunk (no recomputation); above it
 # the peak of the term is a few chunks, whatever the batch.
@@ -126,11 +126,12 @@ def check_gram_settings(hp: Mapping[str, Any], backbone: nn.Module) -> None:
             f"gram_teacher must be a SOURCE as --model.init_from takes (a .ckpt, .safetensors or .pth, or "
             f"timm:NAME[@FILE]) or null for a snapshot of the EMA teacher at gram_start_step, got {source!r}"
         )
-    if weight > 0 and not getattr(backbone, "supports_masking", False):
+    gives = getattr(backbone, "supports_masking", False) or getattr(backbone, "gives_patch_tokens", False)
+    if weight > 0 and not gives:
         raise UserError(
             f"Gram anchoring needs the final-norm patch tokens of the student's own pass, which "
             f"{getattr(backbone, 'family', '?')} backbones ({getattr(backbone, 'name', '?')}) do not give; it works "
-            f"with the {', '.join(MASKING_FAMILIES)} families (or set gram_loss_weight: 0)"
+            f"with the {', '.join(PATCH_TOKEN_FAMILIES)} families (or set gram_loss_weight: 0)"
         )
 
 

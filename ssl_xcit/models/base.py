@@ -19,10 +19,11 @@ computes them:
 
 Masking (iBOT, ``supports_masking``): ``enable_masking()`` adds the ``mask_token`` parameter; XCiT, ViT and CaiT
 replace the embedding of each masked patch with it after patch embedding and before the positional encoding
-(as iBOT and DINOv2 do), and ``forward_patch_tokens`` / ``forward_features`` take the same optional mask.
+(as iBOT and DINOv2 do), DINOv3's ViTs before the prefix tokens and the RoPE of attention (as DINOv3 does), and ``forward_patch_tokens`` / ``forward_features`` take the same optional mask.
 
 Class attributes: ``family`` (registry family), ``name`` (registry variant), ``embed_dim``, ``dense_dim``,
-``size_multiple`` (input sides must be multiples of it), ``has_attention_maps``.
+``size_multiple`` (input sides must be multiples of it), ``has_attention_maps``, ``gives_patch_tokens``
+(``forward_cls_patches`` works without a mask: true wherever masking is, and for ConvNeXt).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class AttentionNotSupported(NotImplementedError):
     """The backbone has no attention of a global query over the patch grid (e.g. a pooled CNN-like model)."""
 
 
-MASKING_FAMILIES = ("xcit", "vit", "cait")
+MASKING_FAMILIES = ("xcit", "vit", "cait", "dinov3")
+# Families whose forward_cls_patches gives the final-norm patch tokens of one pass (Gram anchoring reads them).
+PATCH_TOKEN_FAMILIES = (*MASKING_FAMILIES, "convnext")
 
 
 class MaskingNotSupported(UserError):
@@ -58,6 +61,7 @@ class Backbone(nn.Module):
     size_reason: str = ""  # why sides must be multiples of ``size_multiple``, appended to the size error
     has_attention_maps: bool = False
     supports_masking: bool = False
+    gives_patch_tokens: bool = False  # forward_cls_patches gives final-norm patch tokens (implied by masking)
     masking_refusal: str = ""  # why the family cannot be masked, appended to MaskingNotSupported
 
     def check_input(self, x: Tensor) -> None:

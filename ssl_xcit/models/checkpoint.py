@@ -18,6 +18,7 @@ hook, else an exact shape match against its variants), so a checkpoint of anothe
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import warnings
@@ -197,7 +198,7 @@ def convert_state_dict(
     for family in families:
         hook = getattr(family_module(family), "convert_state_dict", None)
         if hook is not None:
-            out = hook(out)
+            out = hook(out, model) if "model" in inspect.signature(hook).parameters else hook(out)
     return out, dropped
 
 
@@ -280,7 +281,10 @@ def infer_architecture(state_dict: Mapping[str, Tensor]) -> tuple[str, dict[str,
     families without one are matched exactly on their variants' shapes.
     """
     state, _ = convert_state_dict(state_dict)
-    for family in list_families():
+    # Families with a hook first: a hook looks at a few keys, while an exact match builds every variant of its
+    # family (seconds, once per process), which a checkpoint a hook recognises never needs.
+    families = sorted(list_families(), key=lambda f: getattr(family_module(f), "infer_variant", None) is None)
+    for family in families:
         hook = getattr(family_module(family), "infer_variant", None)
         found = hook(state) if hook is not None else _shape_match(family, state)
         if found is not None:

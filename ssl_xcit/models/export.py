@@ -38,6 +38,8 @@ CHECK_TOLERANCE = 1e-4  # max |exported - PyTorch| / max |PyTorch| over the chec
 STATIC_RESOLUTION = {
     "crossformerpp": "its attention groups tokens into windows whose layout and padding mask are chosen from the "
     "feature-map size, so one graph holds for one resolution",
+    "dinov3": "timm builds RoPE's sine and cosine tables from the patch grid's size as Python numbers, so one "
+    "graph holds for one resolution",
 }
 
 SAFETENSORS_NAME_KEY = "backbone"
@@ -51,7 +53,7 @@ def timm_name(name: str) -> str | None:
     import timm
 
     family = name.split("_", 1)[0]
-    if family not in ("xcit", "cait", "vit"):  # the families built with timm's parameter names
+    if family not in ("xcit", "cait", "vit", "convnext"):  # timm's parameter names (DINOv3's ViTs are vit_*)
         return None
     return next((n for n in (name, f"{name}_224") if timm.is_model(n)), None)
 

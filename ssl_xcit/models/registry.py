@@ -7,7 +7,8 @@ Each family lives in ``ssl_xcit/models/<family>.py`` and exposes
 * optionally ``resolve_name(name) -> (variant, overrides) | None`` for aliases (timm's ``_224`` suffixes) and
   open-ended names (any timm ViT), ``infer_variant(state_dict)`` and ``convert_state_dict(state_dict)`` for
   checkpoint loading (the family's checkpoint filter, as timm's ``checkpoint_filter_fn``: it renames official
-  keys and drops those the family recomputes, before ``load_pretrained`` compares keys strictly),
+  keys and drops those the family recomputes, before ``load_pretrained`` compares keys strictly; a hook with a
+  ``model`` parameter also gets the model the weights are for),
   ``describe_variant(name)`` for summaries.
 
 Families are imported lazily from :data:`FAMILIES`; a family whose module is absent from this checkout is
@@ -29,7 +30,7 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import Backbone
 
 # Order of listing. Modules missing from a checkout are skipped (see _family_modules).
-FAMILIES: tuple[str, ...] = ("xcit", "cait", "vit", "crossformerpp", "bixt")
+FAMILIES: tuple[str, ...] = ("xcit", "cait", "vit", "crossformerpp", "bixt", "dinov3", "convnext")
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,25 @@ def create_model(name: str, **overrides) -> Backbone:
         model = entry.cls(**config)
     model.name = entry.name
     return model
+
+
+# Families whose timm model gives no CLS and patch tokens as it is (a ConvNeXt's feature map, an Eva's mean pool).
+_ADOPTED_FROM_TIMM = ("dinov3", "convnext")
+
+
+def as_backbone(model: torch.nn.Module, spec: str) -> torch.nn.Module:
+    """timm's DINOv3 ViT or ConvNeXt built from ``spec`` (``NAME[.TAG][@FILE]``) as our backbone of that name
+    with the same tensors, which gives the final-norm CLS and patch tokens; any other model as it is."""
+    arch = spec.partition("@")[0].partition(".")[0]
+    try:
+        entry = resolve(arch)
+    except UserError:
+        return model
+    if entry.family not in _ADOPTED_FROM_TIMM:
+        return model
+    ours = create_model(arch)
+    ours.load_state_dict(model.state_dict(), strict=True)
+    return ours
 
 
 def describe(name: str) -> dict:

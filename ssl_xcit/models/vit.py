@@ -167,3 +167,22 @@ def infer_variant(state: Mapping[str, Tensor]) -> tuple[str, dict] | None:
             overrides = {} if depth == ref_depth else {"depth": depth}
             return name, overrides | ({} if side == 224 else {"img_size": side})
     return None
+
+
+def convert_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Meta's DINOv2 layout (the hub files) -> timm's names; anything else is returned as it is.
+
+    With registers, Meta's ``register_tokens`` become ``reg_token``, and Meta's position table, which has a row
+    for CLS, becomes timm's (``no_embed_class``): that row is added to ``cls_token`` once, as the sum is all
+    the network ever sees. The giant's fused SwiGLU ``w12`` / ``w3`` become ``fc1`` / ``fc2``."""
+    out = dict(state)
+    if "register_tokens" in out and "pos_embed" in out and "cls_token" in out:
+        out["reg_token"] = out.pop("register_tokens")
+        out["cls_token"] = out["cls_token"] + out["pos_embed"][:, :1]
+        out["pos_embed"] = out["pos_embed"][:, 1:]
+    if any(".mlp.w12." in k for k in out):
+        out = {
+            re.sub(r"\.mlp\.w12\.", ".mlp.fc1.", re.sub(r"\.mlp\.w3\.", ".mlp.fc2.", k)): v
+            for k, v in out.items()
+        }
+    return out

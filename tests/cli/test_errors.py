@@ -79,7 +79,7 @@ def test_ibot_on_a_family_without_masking_is_one_line(tmp_path, image_folder, ca
     ]
     err = _fails(argv, capsys)
     assert "bixt backbones (bixt_ti_l64_p16) cannot take iBOT's patch masks" in err
-    assert "masking works with the xcit, vit, cait families (or set ibot_loss_weight: 0)" in err
+    assert "masking works with the xcit, vit, cait, dinov3 families (or set ibot_loss_weight: 0)" in err
 
 
 @pytest.mark.parametrize(

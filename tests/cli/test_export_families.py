@@ -52,11 +52,20 @@ def test_recorded_tokens_norm_is_applied():
     assert create_model(name, **kwargs).cls_attn_blocks[0].tokens_norm is True
 
 
-# (our name and kwargs, timm's name): XCiT, and the timm-native CaiT and ViT, at the size their timm model takes.
+# (our name and kwargs, timm's name): XCiT, and the timm-native CaiT, ViT, DINOv3 ViT and ConvNeXt, at a size
+# their timm model takes.
 TIMM = [
     ("xcit_nano_12_p16", {"depth": 1}, "xcit_nano_12_p16_224", (2, 3, 64, 96)),
     ("cait_xxs24", {"depth": 1}, "cait_xxs24_224", (2, 3, 224, 224)),
     ("vit_small_patch16_224", {"depth": 1}, "vit_small_patch16_224", (2, 3, 224, 224)),
+    # DINOv3's ViT (timm pools by mean unless told global_pool="token", DINOv3's CLS) and ConvNeXt, tiny.
+    (
+        "vit_small_patch16_dinov3",
+        dict(embed_dim=32, depth=2, num_heads=2, global_pool="token"),
+        "vit_small_patch16_dinov3",
+        (2, 3, 96, 96),
+    ),
+    ("convnext_tiny", {"depths": (1, 1, 1, 1), "dims": (8, 8, 16, 16)}, "convnext_tiny", (2, 3, 96, 64)),
 ]
 
 

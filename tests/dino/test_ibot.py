@@ -124,7 +124,7 @@ def test_the_patch_term_moves_the_patch_head_only_with_a_positive_weight(weight,
 
 @pytest.mark.parametrize("backbone", ["crossformerpp_small", "bixt_ti_l64_p16"])
 def test_unmaskable_families_fail_at_construction(backbone):
-    with pytest.raises(MaskingNotSupported, match="masking works with the xcit, vit, cait families"):
+    with pytest.raises(MaskingNotSupported, match="masking works with the xcit, vit, cait, dinov3 families"):
         DINO(backbone, ibot_loss_weight=1.0, **HEAD)
     DINO(backbone, ibot_loss_weight=0.0, **HEAD)  # plain DINO still builds
 

@@ -103,7 +103,16 @@ def _shapes(name: str) -> dict:
     return {k: tuple(v.shape) for k, v in create_model(name, device="meta").state_dict().items()}
 
 
-@pytest.mark.parametrize("name", list_models())
+# Beyond S/16 and ConvNeXt-T, the DINOv3 ViTs and ConvNeXts take one to several seconds each on the meta device.
+_SLOW_SHAPES = set(list_models("dinov3") + list_models("convnext")) - {
+    "vit_small_patch16_dinov3",
+    "convnext_tiny",
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_SHAPES else n for n in list_models()]
+)
 def test_architecture_is_inferred_from_shapes(name):
     inferred = infer_model_name(create_model(name, device="meta").state_dict())
     if inferred != name:
