@@ -4,7 +4,8 @@ Rows: the quickstart (``ssl-xcit fit -c recipes/quickstart.yaml``, short) in 16-
 bf16-true's teacher movement against 32-true's (DINO refuses bf16-true: the row passes on the refusal);
 KoLeo's neighbours under bf16 autocast against float64's; compile on and off; iBOT on and off (and both on:
 compile must cover the masked pass); ``augment_on`` cpu and device; host syncs per step (``sync_count.py``),
-with the recipe's progress bar off and on; the throughput benchmark; with 2 or
+with the recipe's progress bar off and on, and under 16-mixed with the toolkit's default optimiser for it;
+the throughput benchmark; the invariant matrix's CUDA rows (``MATRIX_ROWS``); with 2 or
 more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``). Rows with
 the same settings share one run; with 2 GPUs also DDP + compile and DDP with 2 accumulated micro-batches, each
 against its 1-process run. A row passes when its run ends with the steps asked for and finite weights
@@ -162,10 +163,13 @@ def _recipe_progress_bar():
     raise ValueError(f"{RECIPE.name} names no progress bar")
 
 
-def sync_row(check: Check, progress_bar: bool = False) -> Row:
+def sync_row(check: Check, progress_bar: bool = False, precision: str | None = None) -> Row:
     """Host syncs per step of the quickstart's model and data, after 2 warm-up steps. Passes when at most one
     step in ``k`` syncs, ``k`` being the logging interval (and ``sync_every_n_steps`` where DINO has it). With
-    ``progress_bar``, the recipe's bar is on (the other row turns it off, as the throughput benchmark does)."""
+    ``progress_bar``, the recipe's bar is on (the other row turns it off, as the throughput benchmark does).
+    ``precision`` replaces the base precision: ``16-mixed`` runs with its GradScaler (on the CPU torch's CPU
+    scaler through a plugin, and a 1-block ViT: the recipe's XCiT has non-finite float16 gradients there) and
+    the toolkit's default optimiser for it (fused AdamW, whose step reads no ``found_inf`` on the host)."""
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
@@ -182,9 +186,18 @@ def sync_row(check: Check, progress_bar: bool = False) -> Row:
         setting += f", sync_every_n_steps {k}"
     if bar is not None:
         setting += f", {type(bar).__name__}"
+    precision_kw: dict = {"precision": precision or check.base_precision}
+    if precision is not None:
+        setting += f", {precision}"
+    if precision == "16-mixed" and check.dry:
+        from lightning.pytorch.plugins import MixedPrecision
+
+        precision_kw = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
+        model_kw = {**model_kw, "backbone": "vit_tiny_patch16_224",
+                    "backbone_kwargs": {"depth": 1, "patch_size": 8}}  # fmt: skip
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
-        accelerator=check.accelerator, devices=1, precision=check.base_precision, max_epochs=1,
+        accelerator=check.accelerator, devices=1, **precision_kw, max_epochs=1,
         limit_train_batches=2 + measured + 1, limit_val_batches=0, num_sanity_val_steps=0,
         logger=CSVLogger(check.tmp / "sync_logs"), log_every_n_steps=k, enable_checkpointing=False,
         enable_progress_bar=bar is not None, enable_model_summary=False,
@@ -192,6 +205,7 @@ def sync_row(check: Check, progress_bar: bool = False) -> Row:
     )  # fmt: skip
     trainer.fit(DINO(**{**model_kw, "collapse_guard": "off"}), DINODataModule(**data_kw))
     name = "host syncs per step" + (" (progress bar on)" if bar is not None else "")
+    name += f" ({precision})" if precision is not None else ""
     steps = counter.per_step[:measured]
     syncing = sum(n > 0 for n in steps)
     allowed = math.ceil(len(steps) / k)
@@ -388,17 +402,26 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def matrix_rows(check: Check) -> list[Row]:
+    """The invariant matrix's CUDA subset (NCCL with 2 or more GPUs): each function in ``MATRIX_ROWS`` takes the
+    ``Check`` and returns its rows. Empty until the matrix (tests/invariants/) registers its rows here."""
+    return [row for make in MATRIX_ROWS for row in make(check)]
+
+
+MATRIX_ROWS: list[Callable[[Check], list[Row]]] = []
+
 SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
     "precision": precision_rows,
     "compile": lambda c: option_rows(c, "compile"),
     "ibot": lambda c: option_rows(c, "ibot"),
     "augment": lambda c: option_rows(c, "augment_on"),
     "numerics": lambda c: [teacher_row(c), koleo_row(c)],
-    "sync": lambda c: [sync_row(c), sync_row(c, progress_bar=True)],
+    "sync": lambda c: [sync_row(c), sync_row(c, progress_bar=True), sync_row(c, precision="16-mixed")],
     "throughput": lambda c: [throughput_row(c)],
     "ddp": lambda c: [ddp_row(c)],
     "ddp_compile": lambda c: [ddp_row(c, "compile")],
     "ddp_accumulate": lambda c: [ddp_row(c, "accumulate")],
+    "matrix": matrix_rows,
 }
 
 
