@@ -17,31 +17,25 @@ One training step, top to bottom (``main_dino.py:train_one_epoch``):
 
 Manual optimisation, on purpose: the reference's order (clip -> cancel last layer -> step -> EMA with the
 momentum of *this* iteration) is explicit in ``training_step`` instead of being spread over hooks, the EMA
-runs once per real optimiser step, and ``global_step`` counts exactly those steps. Clipping and the
-last-layer freeze live in ``on_before_optimizer_step``, which Lightning's precision plugins call after the
-fp16 grad scaler has unscaled the gradients, so the clip threshold is in true gradient units.
+runs once per real optimiser step, and ``global_step`` counts exactly those steps. The window's end (gradient
+reduction, clip in true gradient units under fp16's scaler, step, EMA) is ``ssl_xcit.dino.optimizer_step``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import ParallelStrategy
 
 from ssl_xcit.data.datasets import EmptyBatch
 from ssl_xcit.dino.gram import build_gram_teacher, gram_crops_from_batch
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
-from ssl_xcit.dino.init_from import check_init_settings, drop_backbone_gradients, head_warmup_steps
+from ssl_xcit.dino.init_from import check_init_settings
 from ssl_xcit.dino.lifecycle import DINOLifecycle
 from ssl_xcit.dino.loss import DINOLoss, TeacherTargets
 from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
-from ssl_xcit.dino.optim import (
-    cancel_gradients_last_layer,
-    clip_gradients,
-)
+from ssl_xcit.dino.optimizer_step import before_optimizer_step, ema_update, gradient_sync, window_step
 from ssl_xcit.dino.schedules import Schedules
 from ssl_xcit.dino.step import (
     NUM_GLOBAL_CROPS,
@@ -54,10 +48,6 @@ from ssl_xcit.dino.step import (
 from ssl_xcit.dino.step_checks import FiniteWatch, HostAgreement
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
-
-
-def _floats(pair: tuple[Any, Any] | None) -> tuple[float, float] | None:
-    return None if pair is None else (float(pair[0]), float(pair[1]))
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -95,8 +85,9 @@ class DINO(DINOLifecycle):
         clip_grad: per-parameter gradient-norm clip (0 disables); 3.0 in the reference.
         freeze_last_layer: epochs during which the head's last layer is not updated; stabilises the start.
         optimizer: ``adamw`` (reference default for transformers), ``sgd`` or ``lars`` (for ResNets).
-        fused_optimizer: torch's fused AdamW/SGD kernel (one launch for all parameters; on GPUs it is the
-            fastest update). Off by default because a device without fused kernels, or LARS, refuses it.
+        fused_optimizer: torch's fused AdamW/SGD kernel (one launch for all parameters). None (default): fused
+            under ``16-mixed``'s GradScaler where torch has the kernel (no host read per step), else torch's
+            default (docs/training.md); True refuses LARS or a device without fused kernels.
         scale_lr_with_batch: lr x total batch / 256 with total = per-device batch x devices x nodes x
             ``accumulate_grad_batches``, as in the reference.
         accumulate_grad_batches: batches per optimiser step. Manual optimisation does its own accumulation
@@ -149,10 +140,10 @@ class DINO(DINOLifecycle):
             are resized bicubically to the student's grid.
         gram_remove_negative: count negative similarities as 0 on both sides (DINOv3's ``remove_neg``; off, as in
             its 7B config).
-        sync_every_n_steps: steps between the host's reads of the device (the finite-loss check, the
-            collapse guard's signals), as Lightning's ``log_every_n_steps`` (50) reads the logged values. Each
-            read waits for the GPU queue to drain; a non-finite loss is then reported (and a collapse seen) up
-            to this many steps late, but never saved: a checkpoint is written only after a read.
+        sync_every_n_steps: optimiser steps (accumulation windows, not micro-batches) between the host's reads
+            of the device (the finite-loss check, the collapse guard's signals). Each read waits for the GPU
+            queue to drain; a non-finite loss is then reported (and a collapse seen) up to this many steps
+            late, but never saved: a checkpoint is written only after a read (docs/training.md).
         init_from: start a fresh fit from pretrained weights (continued pretraining): a checkpoint or export
             of ours, an official DINO file, or ``timm:NAME[@FILE]`` (``ssl_xcit.dino.init_from``, docs/training.md).
         init_head_warmup_steps: optimiser steps during which only the head trains after ``init_from``
@@ -185,7 +176,7 @@ class DINO(DINOLifecycle):
         clip_grad: float = 3.0,
         freeze_last_layer: int = 1,
         optimizer: Literal["adamw", "sgd", "lars"] = "adamw",
-        fused_optimizer: bool = False,
+        fused_optimizer: bool | None = None,
         scale_lr_with_batch: bool = True,
         accumulate_grad_batches: int = 1,
         sync_batchnorm: bool = True,
@@ -279,6 +270,8 @@ class DINO(DINOLifecycle):
         self.progress_values: dict[str, float] = {}
         self._agree = HostAgreement()
         self._steps_since_read = 0
+        self._window_backwards = 0  # micro-batches of the current window that ran a backward (host count)
+        self.window_closed = True  # whether the last training batch ended a window (the collapse guard asks)
         self._compiled = False
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
         self.init_state: dict[str, Any] | None = None  # init_from's record (ssl_xcit.dino.init_from)
@@ -313,8 +306,9 @@ class DINO(DINOLifecycle):
         # The micro-batches after the last full accumulation window cannot make a step; they are dropped,
         # as the schedules (sized on whole windows) assume. Every rank has the same batch count.
         if batch_idx >= self.schedules.iters_per_epoch * accumulate:
+            self.window_closed = False
             return None
-        window_end = (batch_idx + 1) % accumulate == 0
+        window_end = self.window_closed = (batch_idx + 1) % accumulate == 0
         opt = self.optimizers()
         lr, wd, momentum = self.schedules.at(self.global_step)
         self.ibot_weight_now = self.schedules.ibot_weight_at(self.global_step)
@@ -322,9 +316,10 @@ class DINO(DINOLifecycle):
         crops = self._readable_crops(batch)
         if crops is None:  # every rank skips this batch
             self.skipped_batches += 1
-            if window_end:
-                self._optimizer_step(opt, momentum)
+            if window_end:  # no backward reduces what the window's readable micro-batches accumulated
+                self._optimizer_step(opt, momentum, reduce=self._window_backwards > 0)
             log_host_scalars(self, lr, wd, momentum)
+            self._count_window(window_end)
             return None
         for i, group in enumerate(opt.param_groups):
             group["lr"] = lr
@@ -337,8 +332,9 @@ class DINO(DINOLifecycle):
         gram = gram_crops_from_batch(batch)  # the Gram teacher's crops (None when the model does not anchor)
         out = self.compute_losses(crops, masks, self.current_epoch, update_center=True, gram_crops=gram)
         self._finite.observe(out.total, self.global_step)
-        with self._gradient_sync(window_end):
+        with gradient_sync(self.trainer, window_end):
             self.manual_backward(out.total / accumulate)
+        self._window_backwards += 1
         if window_end:
             self._optimizer_step(opt, momentum)
         log_losses(self, "train", out)
@@ -347,10 +343,15 @@ class DINO(DINOLifecycle):
             self.signal_tensors["dino"] = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
         if out.ibot is not None:
             self.signal_tensors["ibot"] = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
-        self._steps_since_read += 1
-        if self._steps_since_read >= self.hparams.sync_every_n_steps:
-            self._read_finite()
+        self._count_window(window_end)
         return out.total.detach()
+
+    def _count_window(self, window_end: bool) -> None:
+        """``sync_every_n_steps`` counts optimiser steps (windows), not micro-batches: read at every N-th end."""
+        if window_end:
+            self._steps_since_read += 1
+            if self._steps_since_read >= self.hparams.sync_every_n_steps:
+                self._read_finite()
 
     def _update_gram_teacher(self, step: int) -> None:
         """Gram anchoring's snapshot or refresh before ``step``'s forward, and the step's weight (host only)."""
@@ -365,23 +366,6 @@ class DINO(DINOLifecycle):
         if gram is None or not gram.initialised:
             return 0.0
         return gram.weight_at(step) if self.schedules is None else self.schedules.gram_weight_at(step)
-
-    # The last step's collapse signals as floats, for callbacks and benchmarks: reading waits for the device.
-    @property
-    def last_collapse_signals(self) -> tuple[float, float] | None:
-        return _floats(self.signal_tensors.get("dino"))
-
-    @last_collapse_signals.setter
-    def last_collapse_signals(self, value: tuple[Any, Any]) -> None:
-        self.signal_tensors["dino"] = value
-
-    @property
-    def last_patch_collapse_signals(self) -> tuple[float, float] | None:
-        return _floats(self.signal_tensors.get("ibot"))
-
-    @last_patch_collapse_signals.setter
-    def last_patch_collapse_signals(self, value: tuple[Any, Any]) -> None:
-        self.signal_tensors["ibot"] = value
 
     def _readable_crops(self, batch: Any, skip_single_view: bool = False) -> list[torch.Tensor] | None:
         """The batch's crops, or None on every rank when any rank has no readable image (EmptyBatch or None)
@@ -398,43 +382,20 @@ class DINO(DINOLifecycle):
             )
         return crops
 
-    def _gradient_sync(self, sync: bool) -> Any:
-        """Inside a window, DDP's gradient all-reduce waits for its last micro-batch: the gradients add up
-        locally (``no_sync``) and are reduced once, which gives the same average as k reductions."""
-        strategy = self.trainer.strategy
-        if sync or not isinstance(strategy, ParallelStrategy):
-            return contextlib.nullcontext()
-        return strategy.block_backward_sync()
-
     def _teacher_targets(self) -> list[TeacherTargets]:
         return [self.dino_loss, *([self.ibot_loss] if self.ibot else [])]
 
-    def _optimizer_step(self, opt: Any, momentum: float) -> None:
-        """The window's centre moves, then step (-> ``on_before_optimizer_step``: clipping, last-layer
-        freeze), clear, EMA. Neither step nor EMA when the window has no gradients (all its batches were
-        skipped)."""
-        for targets in self._teacher_targets():
-            targets.apply_center()
-        if all(p.grad is None for p in self.student.parameters()):
-            return
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        self._update_teacher(momentum)
+    def _optimizer_step(self, opt: Any, momentum: float, reduce: bool = False) -> None:
+        """The window's end (``ssl_xcit.dino.optimizer_step.window_step``): centres, step, EMA."""
+        window_step(self, opt, momentum, reduce and self.trainer.world_size > 1)
+        self._window_backwards = 0
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Called by the precision plugin after fp16 unscaling; order as in the reference: clip, then cancel.
-        if self.hparams.clip_grad:
-            clip_gradients(self.student, self.hparams.clip_grad)
-        cancel_gradients_last_layer(self.current_epoch, self.student, self.hparams.freeze_last_layer)
-        drop_backbone_gradients(self.student, self.global_step, head_warmup_steps(self))
+        # Called by the precision plugin; unscales where Lightning did not, then clip and cancel as the reference.
+        before_optimizer_step(self, optimizer)
 
-    @torch.no_grad()
     def _update_teacher(self, momentum: float) -> None:
-        """teacher <- m * teacher + (1 - m) * student, over parameters only (buffers are not averaged)."""
-        teacher_params = list(self.teacher.parameters())
-        student_params = [p.detach() for p in self.student.parameters()]
-        torch._foreach_mul_(teacher_params, momentum)
-        torch._foreach_add_(teacher_params, student_params, alpha=1.0 - momentum)
+        ema_update(self.teacher, self.student, momentum)
 
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
