@@ -59,9 +59,9 @@ class DINODataModule(L.LightningDataModule):
         val_root: Labelled images for the online k-NN monitor (queries; the bank is the labelled training set);
             any of the forms of ``root``.
             With the built-in data it defaults to the synthetic val split.
-        val_fraction: If > 0 and ``root`` is labelled (and not a prepared dataset), hold out this fraction of
-            every class (deterministic stratified split) as the k-NN query set; those images are then not
-            trained on.
+        val_fraction: If > 0 (and ``root`` is not a prepared dataset), hold out this fraction of every class
+            (deterministic stratified split; of all images when unlabelled) as the k-NN queries and the
+            label-free monitor's images (``heldout_dataset``); those images are then not trained on.
         split_seed: Seed of the ``val_fraction`` split (and of the ``knn_bank_limit`` subsample).
         labelled: None detects labels from the layout; False ignores them (e.g. ImageFolder of unrelated
             groups); True requires them.
@@ -224,6 +224,7 @@ class DINODataModule(L.LightningDataModule):
         self.eval_transform = eval_transform(eval_resize, eval_crop)
         self.train_dataset: ImageDataset | None = None
         self.val_dataset: ImageDataset | None = None  # labelled k-NN queries (no transform), or None
+        self._heldout: ImageDataset | None = None  # the val images, labelled or not (no transform)
         self._val_crops: ImageDataset | None = None  # the val images with the multi-crop transform
         self.knn_unavailable_reason: str | None = None
         self._knn: tuple[ImageDataset, ImageDataset] | None = None
@@ -269,7 +270,7 @@ class DINODataModule(L.LightningDataModule):
         self.train_dataset, val_set = open_folders(
             train_root, val_root, hp.val_fraction, hp.labelled, hp.split_seed, self.train_transform
         )
-        classes = self.train_dataset.classes
+        classes, self._heldout = self.train_dataset.classes, val_set
         self._check_batches(train_root)
         self.val_dataset, self.knn_unavailable_reason = aligned_val(val_set, classes, val_root)
         if hp.verify_images:
@@ -295,7 +296,7 @@ class DINODataModule(L.LightningDataModule):
             self.train_transform,
             hp.storage_options,
         )
-        classes = self.train_dataset.classes
+        classes, self._heldout = self.train_dataset.classes, val_set
         self._check_batches(hp.root)
         self.val_dataset, self.knn_unavailable_reason = aligned_val(val_set, classes, hp.val_root)
         kind = f"{len(classes)} classes" if classes else "unlabelled"
@@ -364,6 +365,13 @@ class DINODataModule(L.LightningDataModule):
                 self.train_dataset, self.val_dataset, self.eval_transform, hp.knn_bank_limit, hp.split_seed
             )
         return self._knn
+
+    def heldout_dataset(self) -> ImageDataset | None:
+        """The held-out images (``val_root`` or the ``val_fraction`` split), labelled or not, with the eval
+        transform, for the label-free monitor (``ssl_xcit.dino.rankme``); None without a val set."""
+        if self.train_dataset is None:
+            self.setup("validate")
+        return None if self._heldout is None else dataset_view(self._heldout, self.eval_transform)
 
     # ------------------------------------------------------------------------------- device augmentation
     def augment_seed(self) -> int:

@@ -1,5 +1,5 @@
 """A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE [MODE[,MODE...]]``
-(modes: plain, the default; empty; ibot; distill; init_from).
+(modes: plain, the default; empty; ibot; distill; init_from; rankme).
 
 Run under ``torchrun --nproc_per_node 2`` it is a real 2-process Lightning DDP run on CPU (gloo); with
 WORLD_SIZE 1 it is the single-process reference on the same global batch (8 images per step).
@@ -48,6 +48,32 @@ class Record(L.Callback):
         self.losses.append(float(loss))
         self.indices.append(batch[2].tolist())
         self.centers.append(pl_module.dino_loss.center.detach().clone())
+
+
+class HeldOut(Dataset):
+    """7 unlabelled held-out images for the RankMe monitor; image 4 is unreadable (``None``)."""
+
+    def __len__(self) -> int:
+        return 7
+
+    def __getitem__(self, i: int):
+        return None if i == 4 else (held_out_image(i), -1)
+
+
+def held_out_image(i: int) -> torch.Tensor:
+    return torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(2000 + i)) + i % 2
+
+
+class WithHeldOut(L.LightningDataModule):
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__()
+        self.loader = loader
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader
+
+    def heldout_dataset(self) -> Dataset:
+        return HeldOut()
 
 
 def build(**overrides):
@@ -114,11 +140,16 @@ def run(
     ibot: bool = False,
     distill: bool = False,
     init_from: bool = False,
+    rankme: bool = False,
 ) -> dict:
     """With ``empty_first_batch_on_rank1`` every image of rank 1's first batch is unreadable; ``ibot`` adds the
     masked patch term with Sinkhorn-Knopp centring (all-reduced over the masked patches of both ranks);
     ``distill`` trains an XCiT student against a frozen ViT teacher (the features objective); ``init_from``
-    starts a ViT from a backbone file, with the fresh head warming up alone."""
+    starts a ViT from a backbone file, with the fresh head warming up alone; ``rankme`` adds two RankMe
+    monitors on ``HeldOut``: all 7 images (ranks 0 and 1 embed 0-3 and 5-6) and 3 of them (0, 2 and 4: rank 1's
+    only image is unreadable, so it sends zeros)."""
+    from ssl_xcit.dino.rankme import RankMe
+
     from ssl_xcit.data.datasets import collate_train
 
     if distill:
@@ -128,6 +159,7 @@ def run(
     else:
         model = build(ibot_loss_weight=1.0, centering="sinkhorn_knopp") if ibot else build()
     record = Record()
+    monitors = [RankMe(max_images=7, batch_size=2), RankMe(max_images=3, batch_size=2)] if rankme else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -138,7 +170,7 @@ def run(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[record],
+        callbacks=[record, *monitors],
         # Lightning's own sampler shuffles; an unshuffled one makes the union of the ranks' batches equal
         # the single-process batch (rank r gets samples r, r + 2, ...).
         use_distributed_sampler=False,
@@ -157,7 +189,7 @@ def run(
         drop_last=True,
         collate_fn=collate_train,
     )
-    trainer.fit(model, loader)
+    trainer.fit(model, datamodule=WithHeldOut(loader)) if rankme else trainer.fit(model, loader)
     result = {
         "losses": record.losses,
         "indices": record.indices,
@@ -168,6 +200,7 @@ def run(
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "skipped_batches": model.skipped_batches,
+        "rankme": [m.history for m in monitors],
     }
     torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}_of{world_size}.pt")
     return result
@@ -179,6 +212,7 @@ MODES = {
     "ibot": {"ibot": True},
     "distill": {"distill": True},
     "init_from": {"init_from": True},
+    "rankme": {"rankme": True},
 }
 
 if __name__ == "__main__":
