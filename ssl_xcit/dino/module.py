@@ -155,7 +155,7 @@ class DINO(DINOLifecycle):
         init_from: start a fresh fit from pretrained weights (continued pretraining): a checkpoint or export
             of ours, an official DINO file, or ``timm:NAME[@FILE]`` (``ssl_xcit.dino.init_from``, docs/training.md).
         init_head_warmup_steps: optimiser steps during which only the head trains after ``init_from``
-            (null: automatic, a few steps when SOURCE has no DINO head, 0 when it has one).
+            (null: automatic, a few steps when SOURCE lacks any of the model's heads, DINO or iBOT, else 0).
     """
 
     def __init__(
