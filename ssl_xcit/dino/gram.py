@@ -37,6 +37,9 @@ from ssl_xcit.models.base import MASKING_FAMILIES
 # Gram-matrix bytes per chunk of images (float32). Below it a batch is one chunk (no recomputation); above it
 # the peak of the term is a few chunks, whatever the batch.
 CHUNK_BYTES = 128 * 2**20
+# ``gram_teacher: init_from``: the run's own init_from SOURCE, i.e. the model it continues from (DINOv3 anchors a
+# continued run's dense features to where they came from).
+INIT_FROM = "init_from"
 
 
 def _chunk_sum(student: torch.Tensor, teacher: torch.Tensor, remove_negative: bool) -> torch.Tensor:
@@ -117,6 +120,11 @@ def check_gram_settings(hp: Mapping[str, Any], backbone: nn.Module) -> None:
         raise UserError(
             f"gram_teacher must be a SOURCE as --model.init_from takes (a .ckpt, .safetensors or .pth, or "
             f"timm:NAME[@FILE]) or null for a snapshot of the EMA teacher at gram_start_step, got {source!r}"
+        )
+    if source == INIT_FROM and not hp.get("init_from"):
+        raise UserError(
+            "gram_teacher: init_from anchors to --model.init_from's SOURCE, but init_from is not set; set it, or "
+            "name the Gram teacher's SOURCE itself"
         )
     if weight > 0 and not getattr(backbone, "supports_masking", False):
         raise UserError(
@@ -274,13 +282,14 @@ def read_gram_source(module: Any) -> None:
     gram = module.gram_teacher
     if gram is None or gram.source is None or gram.initialised:
         return
+    source = str(module.hparams.init_from if gram.source == INIT_FROM else gram.source)
     state = source_backbone_state(
-        gram.source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
+        source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
     )
     with torch.no_grad():
         gram.backbone.load_state_dict(state, strict=True)
     gram.initialised = True
-    rank_zero_info(f"gram_teacher {gram.source}: loaded its teacher backbone")
+    rank_zero_info(f"gram_teacher {source}: loaded its teacher backbone")
 
 
 def adapt_checkpoint_state(state: dict[str, torch.Tensor], gram_teacher: GramTeacher | None) -> None:

@@ -141,8 +141,9 @@ class DINO(DINOLifecycle):
             default, as DINOv3's high-resolution adaptation; its 7B run refreshed every 10k iterations).
         gram_max_refreshes: at most this many replacements (3, as DINOv3's 7B run).
         gram_teacher: a fixed Gram teacher, used from ``gram_start_step``: any SOURCE ``init_from`` reads (its
-            teacher backbone), read when a fresh fit starts and then carried by the run's checkpoints; None
-            (default) snapshots the EMA teacher at that step.
+            teacher backbone), read when a fresh fit starts and then carried by the run's checkpoints; ``init_from``
+            for init_from's SOURCE (the model a continued run started from); None (default) snapshots the EMA
+            teacher at that step.
         gram_resolution_scale: 2 gives the Gram teacher the global crops at twice their side (upsampled
             bicubically) and resizes its patch features bicubically to the student's grid, as DINOv3's
             high-resolution Gram teacher; 1 (default) costs no extra compute.
