@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
 from ssl_xcit.cli.train import main
+from ssl_xcit.data.datamodule import DINODataModule
+from ssl_xcit.dino.module import DINO
 from ssl_xcit.dino.rankme import RankMe
 from ssl_xcit.models import create_model
 from ssl_xcit.models.export import save_safetensors
@@ -18,15 +21,22 @@ from ssl_xcit.models.export import save_safetensors
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "continue_dinov3.yaml"
 
 
-def test_the_recipe_asks_for_what_dinov3_would_do():
-    model = yaml.safe_load(RECIPE.read_text())["model"]["init_args"]
-    data = yaml.safe_load(RECIPE.read_text())["data"]["init_args"]
+def test_the_recipe_asks_for_what_dinov3_would_do_and_builds(image_folder):
+    recipe = yaml.safe_load(RECIPE.read_text())
+    model, data = recipe["model"]["init_args"], recipe["data"]["init_args"]
     assert model["init_from"].startswith("timm:") and model["init_head_warmup_steps"] is None
     assert model["gram_teacher"] == "init_from" and model["gram_loss_weight"] > 0
     assert model["ibot_loss_weight"] > 0 and model["ibot_separate_head"]
     assert data["high_res_epochs"] > 0 and data["val_fraction"] > 0
+    assert "ssl_xcit.dino.rankme.RankMe" in [c["class_path"] for c in recipe["trainer"]["callbacks"]]
+    # Every setting is one the classes take (the DINOv3 ViT swapped for one that builds today).
+    built = DINO(**{**model, "backbone": "vit_tiny_patch16_224", "backbone_kwargs": {"depth": 1}})
+    assert built.gram_teacher is not None and built.ibot
+    dm = DINODataModule(**{**data, "root": str(image_folder / "train")})
+    assert dm.high_res == (448, 192)
 
 
+@pytest.mark.slow
 def test_continue_recipe_runs_on_unlabelled_photos(tmp_path, image_folder):
     torch.manual_seed(0)
     source = create_model("vit_tiny_patch16_224", depth=1)

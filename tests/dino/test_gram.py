@@ -376,7 +376,7 @@ def test_a_run_switches_the_term_on_or_off_when_it_resumes(tmp_path):
     assert trainer.global_step == 12 and off.gram_teacher is None
 
 
-@pytest.mark.parametrize("spelling", ["init_from", "the same path"])
+@pytest.mark.parametrize("spelling", ["init_from", pytest.param("the same path", marks=pytest.mark.slow)])
 def test_gram_anchoring_to_the_init_from_source_itself(spelling, tmp_path):
     """Continued pretraining anchored to where it came from: ``gram_teacher: init_from`` (or init_from's own
     path) gives a Gram teacher equal to SOURCE's teacher backbone, held while the run's teacher moves away."""
