@@ -39,7 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--eval-size", type=int, default=64, help="eval resize and centre crop (the runs' eval_crop)"
     )
-    p.add_argument("--max-images", type=int, default=2048)
+    p.add_argument(
+        "--max-images", type=int, default=2048, help="at most this many held-out images (evenly spaced)"
+    )
+    p.add_argument("--epochs", default=None, help="evaluate only these epochs, e.g. 1,2,4,8 (default: all)")
     p.add_argument("--out", default=None, help="draw the curves into this PNG")
     p.add_argument("--json", default=None, help="write the curves here")
     p.add_argument("--dpi", type=int, default=80)
@@ -77,7 +80,8 @@ def curves(args: argparse.Namespace) -> dict[str, Any]:
         per_epoch = run["steps"] // run["epochs"]
         points = [{"step": 0, **measure(step0_teacher(run["model"]), images)}]
         save = Path(save)
-        for epoch in range(1, run["epochs"] + 1):
+        wanted = range(1, run["epochs"] + 1) if args.epochs is None else map(int, args.epochs.split(","))
+        for epoch in wanted:
             path = save.with_name(f"{save.stem}_e{epoch}{save.suffix}")
             points.append({"step": epoch * per_epoch, **measure(build_backbone(path), images)})
         out["runs"][tag] = {"points": points, "knn_start": run["knn_random_init"], "knn_end": run["knn_dino"]}

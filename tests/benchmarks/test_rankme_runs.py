@@ -53,6 +53,7 @@ def test_rankme_runs_draws_the_curves_of_a_learning_run(tmp_path):
     result = _load("rankme_runs").main([
         "--data", str(tmp_path / "data"), "--runs", str(tmp_path / "runs.jsonl"),
         "--weights", f"tiny={tmp_path / 't.pth'}", "--eval-size", "32", "--out", str(tmp_path / "rankme.png"),
+        "--epochs", "1,2",
     ])  # fmt: skip
     points = result["runs"]["tiny"]["points"]
     assert [p["step"] for p in points] == [0, 4, 8] and result["images"] == 4
