@@ -1,5 +1,5 @@
 """A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE [MODE[,MODE...]]``
-(modes: plain, the default; empty; ibot; distill; init_from; rankme).
+(modes: plain, the default; empty; ibot; distill; init_from; rankme; high_res).
 
 Run under ``torchrun --nproc_per_node 2`` it is a real 2-process Lightning DDP run on CPU (gloo); with
 WORLD_SIZE 1 it is the single-process reference on the same global batch (8 images per step).
@@ -205,6 +205,37 @@ def run(
     return result
 
 
+def run_high_res(out_dir: str | Path, world_size: int) -> dict:
+    """DINODataModule with a high-resolution last epoch (16/8-px crops, then 32/16) on 16 images of a folder each
+    rank writes for itself: every rank's batches switch size at the same step."""
+    from PIL import Image
+
+    from ssl_xcit.data.datamodule import DINODataModule
+
+    folder = Path(out_dir) / f"images_{os.environ.get('RANK', 'single')}"
+    for c in range(2):
+        (folder / f"c{c}").mkdir(parents=True, exist_ok=True)
+        for i in range(8):
+            pixels = torch.rand(24, 24, 3, generator=torch.Generator().manual_seed(100 * c + i)) * 255
+            Image.fromarray(pixels.byte().numpy()).save(folder / f"c{c}" / f"{i}.png")
+    sizes = []
+
+    class Sizes(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            sizes.append((trainer.global_step, batch[0][0].shape[-1], batch[0][-1].shape[-1]))
+
+    data = DINODataModule(root=str(folder), batch_size=4, num_workers=0, persistent_workers=False,
+                          pin_memory=False, global_crops_size=16, local_crops_size=8, local_crops_number=1,
+                          high_res_epochs=1, high_res_crops_size=(32, 16))  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto",
+                        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Sizes()])  # fmt: skip
+    trainer.fit(build(), datamodule=data)
+    result = {"sizes": sizes, "global_step": trainer.global_step}
+    torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}_of{world_size}.pt")
+    return result
+
+
 MODES = {
     "plain": {},
     "empty": {"empty_first_batch_on_rank1": True},
@@ -220,4 +251,7 @@ if __name__ == "__main__":
     for mode in sys.argv[3].split(",") if len(sys.argv) > 3 else ["plain"]:
         out = Path(sys.argv[1]) / mode
         out.mkdir(parents=True, exist_ok=True)
-        run(out, int(sys.argv[2]), **MODES[mode])
+        if mode == "high_res":
+            run_high_res(out, int(sys.argv[2]))
+        else:
+            run(out, int(sys.argv[2]), **MODES[mode])

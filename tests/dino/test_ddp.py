@@ -15,11 +15,11 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> Path:
-    """The six 2-process runs below, one after another in one launch (each in its own folder): starting
+    """The seven 2-process runs below, one after another in one launch (each in its own folder): starting
     torchrun and importing torch and Lightning in both ranks took most of each test's ~17 s. A rank left
     waiting in a collective ends in ``TimeoutExpired``, with the launcher and both workers killed."""
     out = tmp_path_factory.mktemp("ddp")
-    torchrun(WORKER, str(out), "2", "plain,empty,ibot,distill,init_from,rankme", timeout=300)
+    torchrun(WORKER, str(out), "2", "plain,empty,ibot,distill,init_from,rankme,high_res", timeout=300)
     return out
 
 
@@ -154,3 +154,12 @@ def test_ddp_rankme_every_rank_logs_the_value_of_all_held_out_images(ddp_runs):
             assert entry["embedding"] == pytest.approx(numpy_rankme(cls.double().numpy()), rel=1e-4)
             flat = patches.reshape(-1, patches.shape[-1]).double().numpy()
             assert entry["patch"] == pytest.approx(numpy_rankme(flat), rel=1e-4)
+
+
+@pytest.mark.distributed
+def test_ddp_high_res_stage_switches_on_every_rank_at_the_same_step(ddp_runs):
+    """The high-resolution last epoch under DDP: the stage follows the epoch, so both ranks crop 16/8 px in
+    epoch 0 and 32/16 px in epoch 1, step for step."""
+    ranks = [torch.load(ddp_runs / "high_res" / f"rank{r}_of2.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["sizes"] == ranks[1]["sizes"] == [(0, 16, 8), (1, 16, 8), (2, 32, 16), (3, 32, 16)]
+    assert [r["global_step"] for r in ranks] == [4, 4]
