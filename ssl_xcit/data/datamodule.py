@@ -29,13 +29,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ssl_xcit.data.callbacks import SkippedImagesLogger
-from ssl_xcit.data.crops import MultiCropGeometry
 from ssl_xcit.data.datasets import ImageDataset, open_folders
 from ssl_xcit.data.device_augment import PhotometricAugment
 from ssl_xcit.data.device_crops import DECODE_ON, CropReader
 from ssl_xcit.data.knn_data import aligned_val, knn_sets
 from ssl_xcit.data.loaders import build_loader, check_full_batches
 from ssl_xcit.data.shards import is_shard_root, is_url
+from ssl_xcit.data.stages import check_high_res, in_high_res_stage, stage_crops
 from ssl_xcit.data.storage import storage_options as parse_storage_options
 from ssl_xcit.data.streaming import dataset_view, open_shards
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
@@ -60,9 +60,9 @@ class DINODataModule(L.LightningDataModule):
         val_root: Labelled images for the online k-NN monitor (queries; the bank is the labelled training set);
             any of the forms of ``root``.
             With the built-in data it defaults to the synthetic val split.
-        val_fraction: If > 0 and ``root`` is labelled (and not a prepared dataset), hold out this fraction of
-            every class (deterministic stratified split) as the k-NN query set; those images are then not
-            trained on.
+        val_fraction: If > 0 (and ``root`` is not a prepared dataset), hold out this fraction of every class
+            (deterministic stratified split; of all images when unlabelled) as the k-NN queries and the
+            label-free monitor's images (``heldout_dataset``); those images are then not trained on.
         split_seed: Seed of the ``val_fraction`` split (and of the ``knn_bank_limit`` subsample).
         labelled: None detects labels from the layout; False ignores them (e.g. ImageFolder of unrelated
             groups); True requires them.
@@ -114,6 +114,9 @@ class DINODataModule(L.LightningDataModule):
         storage_options: For ``s3://`` roots: boto3 client settings such as ``{"endpoint_url":
             "http://minio:9000"}`` (an S3-compatible store), passed to LitData; default: the environment's
             (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...). See docs/cluster.md.
+        high_res_epochs: the last this many epochs are a high-resolution stage, as DINOv3's high-resolution
+            adaptation (``ssl_xcit.data.stages``); 0 (default) for none. Folders and list files only.
+        high_res_crops_size: ``[global, local]`` crop sides of that stage (DINOv3: 512-768 and 112-336 px).
     """
 
     def __init__(
@@ -147,6 +150,8 @@ class DINODataModule(L.LightningDataModule):
         augment_on: Literal["auto", "cpu", "device"] = "auto",
         decode_on: Literal["worker", "device"] = "worker",
         storage_options: dict[str, Any] | None = None,
+        high_res_epochs: int = 0,
+        high_res_crops_size: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -172,37 +177,16 @@ class DINODataModule(L.LightningDataModule):
                 f"augment_on must be 'auto', 'cpu' (PIL augmentation in the workers) or 'device' (photometric "
                 f"part batched on the training device), got {augment_on!r}"
             )
-        # Both halves are built in every mode: each validates the arguments it must honour.
-        cpu_transform = MultiCropTransform(
-            global_crops_size=global_crops_size,
-            global_crops_scale=global_crops_scale,
-            local_crops_number=local_crops_number,
-            local_crops_size=local_crops_size,
-            local_crops_scale=local_crops_scale,
-            global_blur_probs=global_blur_probs,
-            local_blur_prob=local_blur_prob,
-            global_solarize_probs=global_solarize_probs,
-            local_solarize_prob=local_solarize_prob,
-            color_jitter=color_jitter,
-            color_jitter_prob=color_jitter_prob,
-            grayscale_prob=grayscale_prob,
-            blur_radius=blur_radius,
-        )
-        self.crop_config: dict[str, Any] = cpu_transform.config  # every crop setting, resolved (both modes)
-        self.cpu_transform = cpu_transform
-        self.geometry = MultiCropGeometry(
-            global_crops_size=global_crops_size,
-            global_crops_scale=global_crops_scale,
-            local_crops_number=local_crops_number,
-            local_crops_size=local_crops_size,
-            local_crops_scale=local_crops_scale,
-        )
         if decode_on not in DECODE_ON:
             raise UserError(
                 f"decode_on must be 'worker' (decode in the DataLoader workers) or 'device' (one batched decode "
                 f"on the training device), got {decode_on!r}"
             )
-        self.reader = CropReader(self.geometry, decode_on)
+        # The crops of each stage (ssl_xcit.data.stages): the run's sizes, and the high-resolution stage's.
+        self.high_res = check_high_res(high_res_epochs, high_res_crops_size)
+        self._stages = {"base": stage_crops(self.hparams, global_crops_size, local_crops_size)}
+        if self.high_res is not None:
+            self._stages["high_res"] = stage_crops(self.hparams, *self.high_res)
         self.decode_fallbacks = 0  # files decode_on=device left to the workers (this process's batches)
         self.photometric = PhotometricAugment(
             color_jitter=color_jitter,
@@ -214,25 +198,40 @@ class DINODataModule(L.LightningDataModule):
             local_solarize_prob=local_solarize_prob,
             blur_radius=blur_radius,
         )
-        self.augment_on: str = "cpu"
-        self.train_transform: MultiCropTransform | CropReader = cpu_transform
-        self.device_augment: PhotometricAugment | None = None
-        self._use_augment_on("cpu" if augment_on == "auto" else augment_on)  # "auto" is resolved in setup()
+        self.augment_on: str = "cpu" if augment_on == "auto" else augment_on  # "auto" is resolved in setup()
+        self.train_dataset: ImageDataset | None = None
+        self._use_stage("base")
         # The device augmentation draws each batch from a generator seeded by (run seed, rank, stream, epoch,
         # batch index), see batch_rng. The run seed is read once and kept in the checkpoint.
         self._augment_seed: int | None = None
         self._other_batches = 0
         self.eval_transform = eval_transform(eval_resize, eval_crop)
-        self.train_dataset: ImageDataset | None = None
         self.val_dataset: ImageDataset | None = None  # labelled k-NN queries (no transform), or None
+        self._heldout: ImageDataset | None = None  # the val images, labelled or not (no transform)
         self._val_crops: ImageDataset | None = None  # the val images with the multi-crop transform
         self.knn_unavailable_reason: str | None = None
         self._knn: tuple[ImageDataset, ImageDataset] | None = None
 
     def _use_augment_on(self, where: str) -> None:
         self.augment_on = where
-        self.train_transform = self.reader if where == "device" else self.cpu_transform
-        self.device_augment = self.photometric if where == "device" else None
+        self.train_transform: MultiCropTransform | CropReader = (
+            self.reader if where == "device" else self.cpu_transform
+        )
+        self.device_augment: PhotometricAugment | None = self.photometric if where == "device" else None
+        if self.train_dataset is not None:  # a loader built from now on crops with it
+            self.train_dataset.transform = self.train_transform
+
+    def _use_stage(self, name: str) -> None:
+        """Crop with stage ``name``'s crops (``base`` or ``high_res``) from the next loader on."""
+        crops = self._stages[name]
+        self.stage, self.cpu_transform, self.geometry, self.reader = (
+            name,
+            crops.cpu,
+            crops.geometry,
+            crops.reader,
+        )
+        self.crop_config: dict[str, Any] = crops.cpu.config  # every crop setting, resolved (both modes)
+        self._use_augment_on(self.augment_on)
 
     def resolve_augment_on(self) -> str:
         """``augment_on`` with ``auto`` resolved: ``device`` when the trainer runs on an accelerator, else ``cpu``."""
@@ -263,6 +262,13 @@ class DINODataModule(L.LightningDataModule):
         self.use_gram_crops(getattr(model, "gram_crops_scale", None))
         if self.train_dataset is not None:
             return
+        if self.high_res is not None and self.trainer is not None:
+            in_high_res_stage(
+                0, self.trainer.max_epochs, self.hparams.high_res_epochs
+            )  # refuses bad settings
+            self.trainer.reload_dataloaders_every_n_epochs = (
+                1  # a stage's loader is built when its epoch starts
+            )
         self._use_augment_on(self.resolve_augment_on())
         hp = self.hparams
         val_root = hp.val_root
@@ -272,13 +278,17 @@ class DINODataModule(L.LightningDataModule):
             if val_root is None and hp.val_fraction == 0:
                 val_root = str(synthetic / "val")
         elif is_shard_root(hp.root):
+            if self.high_res is not None:
+                raise UserError(
+                    f"high_res_epochs works on image folders and list files, not the prepared {hp.root}"
+                )
             return self._setup_shards()
         else:
             train_root = Path(hp.root).expanduser()
         self.train_dataset, val_set = open_folders(
             train_root, val_root, hp.val_fraction, hp.labelled, hp.split_seed, self.train_transform
         )
-        classes = self.train_dataset.classes
+        classes, self._heldout = self.train_dataset.classes, val_set
         self._check_batches(train_root)
         self.val_dataset, self.knn_unavailable_reason = aligned_val(val_set, classes, val_root)
         if hp.verify_images:
@@ -304,7 +314,7 @@ class DINODataModule(L.LightningDataModule):
             self.train_transform,
             hp.storage_options,
         )
-        classes = self.train_dataset.classes
+        classes, self._heldout = self.train_dataset.classes, val_set
         self._check_batches(hp.root)
         self.val_dataset, self.knn_unavailable_reason = aligned_val(val_set, classes, hp.val_root)
         kind = f"{len(classes)} classes" if classes else "unlabelled"
@@ -342,6 +352,10 @@ class DINODataModule(L.LightningDataModule):
         loader Lightning saves and resumes mid-epoch (``ssl_xcit.data.resumable``)."""
         if self.train_dataset is None:
             self.setup("fit")
+        if self.high_res is not None:  # the epoch alone decides: the same stage on every rank and on resume
+            trainer = self.trainer
+            high = in_high_res_stage(trainer.current_epoch, trainer.max_epochs, self.hparams.high_res_epochs)
+            self._use_stage("high_res" if high else "base")
         return self._loader(self.train_dataset, self.hparams.batch_size, train=True)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -373,6 +387,13 @@ class DINODataModule(L.LightningDataModule):
                 self.train_dataset, self.val_dataset, self.eval_transform, hp.knn_bank_limit, hp.split_seed
             )
         return self._knn
+
+    def heldout_dataset(self) -> ImageDataset | None:
+        """The held-out images (``val_root`` or the ``val_fraction`` split), labelled or not, with the eval
+        transform, for the label-free monitor (``ssl_xcit.dino.rankme``); None without a val set."""
+        if self.train_dataset is None:
+            self.setup("validate")
+        return None if self._heldout is None else dataset_view(self._heldout, self.eval_transform)
 
     # ------------------------------------------------------------------------------- device augmentation
     def augment_seed(self) -> int:

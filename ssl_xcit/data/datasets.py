@@ -24,7 +24,6 @@ from ssl_xcit.data.image_dataset import (
 from ssl_xcit.data.shard_dataset import ShardImageDataset
 from ssl_xcit.data.shards import is_shard_root
 from ssl_xcit.data.splits import stratified_split
-from ssl_xcit.errors import UserError
 
 __all__ = [
     "IMG_EXTENSIONS",
@@ -68,16 +67,13 @@ def open_folders(
 ) -> tuple[ImageDataset, ImageDataset | None]:
     """``(training set with transform, val set or None)`` of a folder or list file (as ``open_shards`` is for a
     prepared dataset): ``val_fraction > 0`` holds out that fraction of every class (stratified, by
-    ``split_seed``), else the val set is ``val_root``'s images, in any form ``build_dataset`` reads."""
+    ``split_seed``; of all images when unlabelled, for the label-free monitor), else the val set is
+    ``val_root``'s images, in any form ``build_dataset`` reads."""
     full = build_dataset(train_root, labelled=labelled)
     train_samples = full.samples
     val_set: ImageDataset | None = None
     if val_fraction > 0:
-        if not full.labelled:
-            raise UserError(
-                f"val_fraction={val_fraction} needs a labelled root (ImageFolder tree or list file with "
-                f"labels), but {train_root} is unlabelled; give a labelled val_root instead"
-            )
+        # Unlabelled samples all carry -1: one "class", so the split is a seeded hold-out of all images.
         train_samples, held_out = stratified_split(full.samples, val_fraction, split_seed)
         val_set = ImageDataset(held_out, full.classes)
     elif val_root is not None:

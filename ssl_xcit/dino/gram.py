@@ -45,6 +45,9 @@ from ssl_xcit.models.base import PATCH_TOKEN_FAMILIES
 # the peak of the term is a few chunks, whatever the batch.
 CHUNK_BYTES = 128 * 2**20
 NUM_GRAM_CROPS = 2  # one per global crop
+# ``gram_teacher: init_from``: the run's own init_from SOURCE, i.e. the model it continues from (DINOv3 anchors a
+# continued run's dense features to where they came from).
+INIT_FROM = "init_from"
 
 
 def _chunk_sum(student: torch.Tensor, teacher: torch.Tensor, remove_negative: bool) -> torch.Tensor:
@@ -125,6 +128,11 @@ def check_gram_settings(hp: Mapping[str, Any], backbone: nn.Module) -> None:
         raise UserError(
             f"gram_teacher must be a SOURCE as --model.init_from takes (a .ckpt, .safetensors or .pth, or "
             f"timm:NAME[@FILE]) or null for a snapshot of the EMA teacher at gram_start_step, got {source!r}"
+        )
+    if source == INIT_FROM and not hp.get("init_from"):
+        raise UserError(
+            "gram_teacher: init_from anchors to --model.init_from's SOURCE, but init_from is not set; set it, or "
+            "name the Gram teacher's SOURCE itself"
         )
     gives = getattr(backbone, "supports_masking", False) or getattr(backbone, "gives_patch_tokens", False)
     if weight > 0 and not gives:
@@ -290,14 +298,15 @@ def read_gram_source(module: Any) -> None:
     gram = module.gram_teacher
     if gram is None or gram.source is None or gram.initialised:
         return
+    source = str(module.hparams.init_from if gram.source == INIT_FROM else gram.source)
     state = source_backbone_state(
-        gram.source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
+        source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
     )
     with torch.no_grad():
         gram.backbone.load_state_dict(state, strict=True)
     gram.initialised = True
     gram.refreshes = gram.refreshes_due(int(module.global_step))  # a resumed run's past ones count as spent
-    rank_zero_info(f"gram_teacher {gram.source}: loaded its teacher backbone")
+    rank_zero_info(f"gram_teacher {source}: loaded its teacher backbone")
 
 
 def adapt_checkpoint_state(state: dict[str, torch.Tensor], gram_teacher: GramTeacher | None) -> None:

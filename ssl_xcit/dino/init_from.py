@@ -11,9 +11,9 @@ SOURCE is one of
 
 Student and teacher backbones start from SOURCE (each from its own side when SOURCE has both); the heads and
 the centres are loaded when SOURCE has them, so an official full checkpoint continues as its run would have.
-Without a head the head starts fresh, and the backbone gets no update for the first ``head_warmup_steps``
-optimiser steps (:func:`drop_backbone_gradients`): a random head's first gradients would otherwise move the
-pretrained backbone. Every tensor of the model must come from SOURCE except the fresh heads and iBOT's mask
+A head SOURCE lacks (the DINO head, iBOT's patch head, any other) starts fresh, and the backbone gets no
+update for the first ``head_warmup_steps`` optimiser steps (:func:`drop_backbone_gradients`): a random head's
+first gradients would otherwise move the pretrained backbone. Every tensor of the model must come from SOURCE except the fresh heads and iBOT's mask
 token (training-only, absent from released backbones); anything else that does not fit is refused in one line.
 
 This is not ``--ckpt_path``: the optimiser, the step and the schedules start fresh. The weights are loaded at
@@ -331,15 +331,26 @@ def start_from_source(module: Any) -> None:
         return
     check_timm_architecture(str(source), module.hparams.backbone)
     loaded = apply_weights(module, read_source(str(source)))
+    fresh = fresh_heads(module.student, loaded)
     wanted = module.hparams.get("init_head_warmup_steps")
-    steps = (0 if loaded["head"] else AUTO_HEAD_WARMUP_STEPS) if wanted is None else int(wanted)
+    steps = (AUTO_HEAD_WARMUP_STEPS if fresh else 0) if wanted is None else int(wanted)
     module.init_state = {"source": str(source), "head_warmup_steps": steps}
     parts = ["backbones"] + [p.replace("_", " ") + "s" for p in ("head", "patch_head") if loaded[p]]
     parts += ["centres"] if loaded["centres"] else []
     rank_zero_info(
         f"init_from {source}: loaded {', '.join(parts)}"
-        + (f"; the backbone waits {steps} steps while the fresh head warms up" if steps else "")
+        + (
+            f"; the backbone waits {steps} steps while the fresh {' and '.join(fresh)} warm up"
+            if steps
+            else ""
+        )
     )
+
+
+def fresh_heads(student: nn.Module, loaded: Mapping[str, bool]) -> list[str]:
+    """The student's parts beside its backbone (DINO head, iBOT patch head, any other) that SOURCE did not
+    fill: each starts random, and any one of them trained into the backbone from step 1 would move it."""
+    return [name for name, _ in student.named_children() if name != "backbone" and not loaded.get(name)]
 
 
 def head_warmup_steps(module: Any) -> int:

@@ -133,8 +133,9 @@ class DINO(DINOLifecycle):
             default, as DINOv3's high-resolution adaptation; its 7B run refreshed every 10k iterations).
         gram_max_refreshes: at most this many replacements (3, as DINOv3's 7B run).
         gram_teacher: a fixed Gram teacher, used from ``gram_start_step``: any SOURCE ``init_from`` reads (its
-            teacher backbone), read when a fresh fit starts and then carried by the run's checkpoints; None
-            (default) snapshots the EMA teacher at that step.
+            teacher backbone), read when a fresh fit starts and then carried by the run's checkpoints; ``init_from``
+            for init_from's SOURCE (the model a continued run started from); None (default) snapshots the EMA
+            teacher at that step.
         gram_resolution_scale: the Gram teacher's own crops (the datamodule cuts them: each global crop's box
             and flip, undistorted) at this x the global side, 1 (default) or 2 (DINOv3's); its patch features
             are resized bicubically to the student's grid.
@@ -147,7 +148,7 @@ class DINO(DINOLifecycle):
         init_from: start a fresh fit from pretrained weights (continued pretraining): a checkpoint or export
             of ours, an official DINO file, or ``timm:NAME[@FILE]`` (``ssl_xcit.dino.init_from``, docs/training.md).
         init_head_warmup_steps: optimiser steps during which only the head trains after ``init_from``
-            (null: automatic, a few steps when SOURCE has no DINO head, 0 when it has one).
+            (null: automatic, a few steps when SOURCE lacks any of the model's heads, DINO or iBOT, else 0).
     """
 
     def __init__(

@@ -82,8 +82,23 @@ def test_unlabelled_data_disables_knn_with_a_reason(tmp_path):
     assert labels.tolist() == [-1, -1] and len(crops) == 4
     labelled = DINODataModule(root=str(make_tree(tmp_path / "tree")), batch_size=2, **SMALL_CROPS)
     assert labelled.knn_datasets() is None and "val_root" in labelled.knn_unavailable_reason
-    with pytest.raises(ValueError, match="needs a labelled root"):
-        DINODataModule(root=str(flat), val_fraction=0.2, batch_size=2, **SMALL_CROPS).setup("fit")
+    assert dm.heldout_dataset() is None  # no val set: nothing for the label-free monitor either
+
+
+def test_unlabelled_val_fraction_holds_out_images_for_the_label_free_monitor(tmp_path):
+    """Unlabelled data with val_fraction: a seeded hold-out of all images, never trained on, served with the
+    eval transform by heldout_dataset(); the k-NN stays off (no labels)."""
+    flat = tmp_path / "flat"
+    make_tree(flat, classes=("x",), per_class=9)
+    Image.new("RGB", (24, 24)).save(flat / "loose.png")  # not an ImageFolder tree: unlabelled
+    dm = DINODataModule(root=str(flat), val_fraction=0.2, batch_size=2, eval_resize=16, eval_crop=16)
+    held = dm.heldout_dataset()
+    assert len(held) == 2 and len(dm.train_dataset) == 8 and dm.knn_datasets() is None
+    assert not {p for p, _ in held.samples} & {p for p, _ in dm.train_dataset.samples}
+    image, label = held[0][:2]
+    assert tuple(image.shape) == (3, 16, 16) and label == -1
+    again = DINODataModule(root=str(flat), val_fraction=0.2, batch_size=2).heldout_dataset()
+    assert again.samples == held.samples  # the split is fixed by split_seed
 
 
 def test_bad_roots_fail_before_training(tmp_path):

@@ -1,5 +1,5 @@
 """A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE [MODE[,MODE...]]``
-(modes: plain, the default; empty; ibot; distill; init_from).
+(modes: plain, the default; empty; ibot; distill; init_from; rankme; high_res).
 
 Run under ``torchrun --nproc_per_node 2`` it is a real 2-process Lightning DDP run on CPU (gloo); with
 WORLD_SIZE 1 it is the single-process reference on the same global batch (8 images per step).
@@ -48,6 +48,32 @@ class Record(L.Callback):
         self.losses.append(float(loss))
         self.indices.append(batch[2].tolist())
         self.centers.append(pl_module.dino_loss.center.detach().clone())
+
+
+class HeldOut(Dataset):
+    """7 unlabelled held-out images for the RankMe monitor; image 4 is unreadable (``None``)."""
+
+    def __len__(self) -> int:
+        return 7
+
+    def __getitem__(self, i: int):
+        return None if i == 4 else (held_out_image(i), -1)
+
+
+def held_out_image(i: int) -> torch.Tensor:
+    return torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(2000 + i)) + i % 2
+
+
+class WithHeldOut(L.LightningDataModule):
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__()
+        self.loader = loader
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader
+
+    def heldout_dataset(self) -> Dataset:
+        return HeldOut()
 
 
 def build(**overrides):
@@ -114,12 +140,16 @@ def run(
     ibot: bool = False,
     distill: bool = False,
     init_from: bool = False,
+    rankme: bool = False,
 ) -> dict:
     """With ``empty_first_batch_on_rank1`` every image of rank 1's first batch is unreadable; ``ibot`` adds the
     masked patch term with Sinkhorn-Knopp centring (all-reduced over the masked patches of both ranks);
     ``distill`` trains an XCiT student against a frozen ViT teacher (the features objective); ``init_from``
-    starts a ViT from a backbone file, with the fresh head warming up alone."""
+    starts a ViT from a backbone file, with the fresh head warming up alone; ``rankme`` adds two RankMe
+    monitors on ``HeldOut``: all 7 images (ranks 0 and 1 embed 0-3 and 5-6) and 3 of them (0, 2 and 4: rank 1's
+    only image is unreadable, so it sends zeros)."""
     from ssl_xcit.data.datasets import collate_train
+    from ssl_xcit.dino.rankme import RankMe
 
     if distill:
         model = build_distill(source_file(out_dir))
@@ -128,6 +158,7 @@ def run(
     else:
         model = build(ibot_loss_weight=1.0, centering="sinkhorn_knopp") if ibot else build()
     record = Record()
+    monitors = [RankMe(max_images=7, batch_size=2), RankMe(max_images=3, batch_size=2)] if rankme else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -138,7 +169,7 @@ def run(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[record],
+        callbacks=[record, *monitors],
         # Lightning's own sampler shuffles; an unshuffled one makes the union of the ranks' batches equal
         # the single-process batch (rank r gets samples r, r + 2, ...).
         use_distributed_sampler=False,
@@ -157,7 +188,7 @@ def run(
         drop_last=True,
         collate_fn=collate_train,
     )
-    trainer.fit(model, loader)
+    trainer.fit(model, datamodule=WithHeldOut(loader)) if rankme else trainer.fit(model, loader)
     result = {
         "losses": record.losses,
         "indices": record.indices,
@@ -168,7 +199,39 @@ def run(
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "skipped_batches": model.skipped_batches,
+        "rankme": [m.history for m in monitors],
     }
+    torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}_of{world_size}.pt")
+    return result
+
+
+def run_high_res(out_dir: str | Path, world_size: int) -> dict:
+    """DINODataModule with a high-resolution last epoch (16/8-px crops, then 32/16) on 16 images of a folder each
+    rank writes for itself: every rank's batches switch size at the same step."""
+    from PIL import Image
+
+    from ssl_xcit.data.datamodule import DINODataModule
+
+    folder = Path(out_dir) / f"images_{os.environ.get('RANK', 'single')}"
+    for c in range(2):
+        (folder / f"c{c}").mkdir(parents=True, exist_ok=True)
+        for i in range(8):
+            pixels = torch.rand(24, 24, 3, generator=torch.Generator().manual_seed(100 * c + i)) * 255
+            Image.fromarray(pixels.byte().numpy()).save(folder / f"c{c}" / f"{i}.png")
+    sizes = []
+
+    class Sizes(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            sizes.append((trainer.global_step, batch[0][0].shape[-1], batch[0][-1].shape[-1]))
+
+    data = DINODataModule(root=str(folder), batch_size=4, num_workers=0, persistent_workers=False,
+                          pin_memory=False, global_crops_size=16, local_crops_size=8, local_crops_number=1,
+                          high_res_epochs=1, high_res_crops_size=(32, 16))  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ddp" if world_size > 1 else "auto",
+                        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Sizes()])  # fmt: skip
+    trainer.fit(build(), datamodule=data)
+    result = {"sizes": sizes, "global_step": trainer.global_step}
     torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}_of{world_size}.pt")
     return result
 
@@ -179,6 +242,7 @@ MODES = {
     "ibot": {"ibot": True},
     "distill": {"distill": True},
     "init_from": {"init_from": True},
+    "rankme": {"rankme": True},
 }
 
 if __name__ == "__main__":
@@ -187,4 +251,7 @@ if __name__ == "__main__":
     for mode in sys.argv[3].split(",") if len(sys.argv) > 3 else ["plain"]:
         out = Path(sys.argv[1]) / mode
         out.mkdir(parents=True, exist_ok=True)
-        run(out, int(sys.argv[2]), **MODES[mode])
+        if mode == "high_res":
+            run_high_res(out, int(sys.argv[2]))
+        else:
+            run(out, int(sys.argv[2]), **MODES[mode])

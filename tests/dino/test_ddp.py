@@ -15,11 +15,11 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> Path:
-    """The five 2-process runs below, one after another in one launch (each in its own folder): starting
+    """The seven 2-process runs below, one after another in one launch (each in its own folder): starting
     torchrun and importing torch and Lightning in both ranks took most of each test's ~17 s. A rank left
     waiting in a collective ends in ``TimeoutExpired``, with the launcher and both workers killed."""
     out = tmp_path_factory.mktemp("ddp")
-    torchrun(WORKER, str(out), "2", "plain,empty,ibot,distill,init_from", timeout=300)
+    torchrun(WORKER, str(out), "2", "plain,empty,ibot,distill,init_from,rankme,high_res", timeout=300)
     return out
 
 
@@ -128,3 +128,38 @@ def test_ddp_init_from_starts_both_ranks_from_the_source_and_warms_the_head_alon
     initial = worker.build_init_from(worker.source_file(tmp_path)).student.state_dict()
     assert any(not torch.equal(ranks[0]["student"][k], initial[k]) for k in head)  # the head did train
     _students_agree(ranks, single)
+
+
+@pytest.mark.distributed
+def test_ddp_rankme_every_rank_logs_the_value_of_all_held_out_images(ddp_runs):
+    """RankMe under DDP: each rank embeds a share of the held-out images (one image unreadable, and in the
+    second monitor rank 1's only image), the Gram matrices are summed, and both ranks hold the RankMe of all
+    readable images, as numpy computes it from the teacher's embeddings, at step 0 and at the end."""
+    from test_rankme import numpy_rankme
+
+    worker = _load_worker()
+    ranks = _ranks(ddp_runs, "rankme")
+    assert ranks[0]["rankme"] == ranks[1]["rankme"]
+    teacher = worker.build().teacher
+    for monitor, images in zip(ranks[0]["rankme"], ([0, 1, 2, 3, 5, 6], [0, 2]), strict=True):
+        assert [h["step"] for h in monitor] == [0, 2]
+        batch = torch.stack([worker.held_out_image(i) for i in images])
+        for entry, state in (
+            (monitor[0], worker.build().teacher.state_dict()),
+            (monitor[1], ranks[0]["teacher"]),
+        ):
+            teacher.load_state_dict(state)
+            with torch.no_grad():
+                cls, patches = teacher.backbone.eval().forward_cls_patches(batch)
+            assert entry["embedding"] == pytest.approx(numpy_rankme(cls.double().numpy()), rel=1e-4)
+            flat = patches.reshape(-1, patches.shape[-1]).double().numpy()
+            assert entry["patch"] == pytest.approx(numpy_rankme(flat), rel=1e-4)
+
+
+@pytest.mark.distributed
+def test_ddp_high_res_stage_switches_on_every_rank_at_the_same_step(ddp_runs):
+    """The high-resolution last epoch under DDP: the stage follows the epoch, so both ranks crop 16/8 px in
+    epoch 0 and 32/16 px in epoch 1, step for step."""
+    ranks = [torch.load(ddp_runs / "high_res" / f"rank{r}_of2.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["sizes"] == ranks[1]["sizes"] == [(0, 16, 8), (1, 16, 8), (2, 32, 16), (3, 32, 16)]
+    assert [r["global_step"] for r in ranks] == [4, 4]

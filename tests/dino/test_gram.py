@@ -378,3 +378,24 @@ def test_a_run_switches_the_term_on_or_off_when_it_resumes(tmp_path):
     trainer = tiny_trainer(tmp_path, max_epochs=3)
     trainer.fit(off, tiny_loader(n=16, batch_size=4), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert trainer.global_step == 12 and off.gram_teacher is None
+
+
+@pytest.mark.parametrize("spelling", ["init_from", pytest.param("the same path", marks=pytest.mark.slow)])
+def test_gram_anchoring_to_the_init_from_source_itself(spelling, tmp_path):
+    """Continued pretraining anchored to where it came from: ``gram_teacher: init_from`` (or init_from's own
+    path) gives a Gram teacher equal to SOURCE's teacher backbone, held while the run's teacher moves away."""
+    from conftest import tiny_loader, tiny_trainer
+
+    path = tmp_path / "source.pth"
+    want = _official_full(path)
+    gram_teacher = "init_from" if spelling == "init_from" else str(path)
+    model = tiny(
+        init_from=str(path), gram_loss_weight=1.0, gram_teacher=gram_teacher, init_head_warmup_steps=0
+    )
+    record = _GramState()
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[record]).fit(model, tiny_loader(n=8, batch_size=4))
+    source = [want[k] for k in model.gram_teacher.backbone.state_dict() if "num_batches" not in k]
+    assert all(s[1] for s in record.states) and _equal(record.states[-1][3], source)
+    assert not _equal(_params(model.teacher.backbone), source)  # the EMA teacher moved; the anchor did not
+    with pytest.raises(UserError, match="gram_teacher: init_from anchors to --model.init_from's SOURCE, but"):
+        tiny(gram_loss_weight=1.0, gram_teacher="init_from")

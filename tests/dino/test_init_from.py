@@ -263,3 +263,27 @@ def test_auto_warmup_only_without_a_head(tmp_path, tiny):
         trainer = tiny.trainer(tmp_path / path.suffix[1:], max_epochs=1, limit_train_batches=1)
         trainer.fit(model, tiny.loader(n=4))
         assert model.init_state["head_warmup_steps"] == steps
+
+
+def test_auto_warmup_covers_every_fresh_head(tmp_path, tiny):
+    """A source with a DINO head but no iBOT patch head (as an official checkpoint of an iBOT-less run): the
+    random patch head must warm up alone too, the backbone held, instead of training into it from step 1. With
+    both heads in SOURCE there is nothing to warm up; with a shared head (no patch head) neither."""
+    dino_only, both = tmp_path / "dino_only.ckpt", tmp_path / "both.ckpt"
+    torch.save({"state_dict": _trained_looking(14).state_dict()}, dino_only)
+    torch.save({"state_dict": _trained_looking(15, ibot_loss_weight=1.0).state_dict()}, both)
+    cases = (
+        (dino_only, {"ibot_loss_weight": 1.0}, AUTO_HEAD_WARMUP_STEPS),
+        (dino_only, {"ibot_loss_weight": 1.0, "ibot_separate_head": False}, 0),
+        (both, {"ibot_loss_weight": 1.0}, 0),
+    )
+    for i, (path, options, steps) in enumerate(cases):
+        model = tiny.model(init_from=str(path), **options)
+        trainer = tiny.trainer(tmp_path / str(i), max_epochs=1, limit_train_batches=1)
+        trainer.fit(model, tiny.loader(n=4))
+        assert model.init_state["head_warmup_steps"] == steps, (path.name, options)
+        if steps:  # the backbone's weights did not move (BN statistics do): the step trained the heads alone
+            source = torch.load(path, weights_only=True)["state_dict"]
+            for key, value in model.student.backbone.named_parameters():
+                if key != "mask_token":
+                    assert torch.equal(value, source[f"student.backbone.{key}"]), key
