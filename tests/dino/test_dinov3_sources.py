@@ -107,10 +107,11 @@ def test_init_from_meta_dinov2_with_registers(tmp_path):
 
 
 class Crops(Dataset):
-    """2 global and 2 local crops (sides ``size`` and ``size // 2``) per item."""
+    """2 global and 2 local crops (sides ``size`` and ``size // 2``) per item; with ``gram``, the Gram teacher's
+    crops too (the global crops themselves, as the datamodule gives a model anchoring at scale 1)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, gram: bool = False) -> None:
+        self.size, self.gram = size, gram
 
     def __len__(self) -> int:
         return 8
@@ -118,14 +119,15 @@ class Crops(Dataset):
     def __getitem__(self, i: int):
         gen = torch.Generator().manual_seed(i)
         sides = (self.size, self.size, self.size // 2, self.size // 2)
-        return [torch.randn(3, s, s, generator=gen) for s in sides], 0, i
+        crops = [torch.randn(3, s, s, generator=gen) for s in sides]
+        return ({"crops": crops, "gram_crops": crops[:2]} if self.gram else crops), 0, i
 
 
 def _fit(model, size: int, tmp_path, steps: int = 2) -> L.Trainer:
     trainer = L.Trainer(max_epochs=1, limit_train_batches=steps, accelerator="cpu", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(model, DataLoader(Crops(size), batch_size=4))
+    trainer.fit(model, DataLoader(Crops(size, gram=model.hparams.gram_loss_weight > 0), batch_size=4))
     return trainer
 
 

@@ -393,7 +393,9 @@ def test_gram_anchoring_to_the_init_from_source_itself(spelling, tmp_path):
         init_from=str(path), gram_loss_weight=1.0, gram_teacher=gram_teacher, init_head_warmup_steps=0
     )
     record = _GramState()
-    tiny_trainer(tmp_path, max_epochs=1, callbacks=[record]).fit(model, tiny_loader(n=8, batch_size=4))
+    tiny_trainer(tmp_path, max_epochs=1, callbacks=[record]).fit(
+        model, tiny_loader(n=8, batch_size=4, gram_scale=1)
+    )
     source = [want[k] for k in model.gram_teacher.backbone.state_dict() if "num_batches" not in k]
     assert all(s[1] for s in record.states) and _equal(record.states[-1][3], source)
     assert not _equal(_params(model.teacher.backbone), source)  # the EMA teacher moved; the anchor did not
