@@ -26,8 +26,8 @@ def test_weights_row_of_the_random_init_backbone_equals_the_baseline_row(tmp_pat
     torch.save({"state_dict": model.state_dict(), "hyper_parameters": {"backbone": "xcit_nano_12_p8",
                 "backbone_kwargs": {"depth": 4}}}, weights)  # fmt: skip
     out = tmp_path / "rows.jsonl"
-    rows = bench.main(["--limit", "2", "--short-side", "32", "--epochs", "1", "--threads", "1",
-                       "--weights", f"saved={weights}", "--json", str(out)])  # fmt: skip
+    rows = bench.main(["--limit", "2", "--short-side", "32", "--crop-size", "32", "--stride", "21", "--iters", "2",
+                       "--batch-size", "2", "--threads", "1", "--weights", f"saved={weights}", "--json", str(out)])  # fmt: skip
     by_name = {row["name"]: row for row in rows}
     assert list(by_name) == ["saved", "XCiT-N12/8, 4 blocks, random init", "raw pixels"]
     saved, baseline = by_name["saved"], by_name["XCiT-N12/8, 4 blocks, random init"]
