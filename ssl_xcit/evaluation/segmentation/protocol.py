@@ -32,11 +32,12 @@ from ssl_xcit.evaluation.segmentation.augment import (
     resize_pair,
     to_float_image,
 )
+from ssl_xcit.evaluation.segmentation.data import SegmentationSplit
 from ssl_xcit.evaluation.segmentation.features import dense_tokens
 from ssl_xcit.evaluation.segmentation.probe import DEFAULT_LR, SegmentationProbe
 from ssl_xcit.evaluation.segmentation.slide import center_pad, slide_logits
 
-__all__ = ["CropProbe", "TestImages", "train_and_predict_crops"]
+__all__ = ["CropProbe", "TestImages", "protocol_predictions", "train_and_predict_crops"]
 
 
 class TestImages(Dataset):
@@ -149,6 +150,48 @@ def train_and_predict_crops(
     return dict(item for batch in batches or [] for item in batch)
 
 
-def crop_pipeline(short_side: int, long_side: int, crop: int, ignore_index: int) -> TrainPipeline:
-    """DINOv2's training steps at these sizes (its defaults: 512, 2048, 512)."""
-    return TrainPipeline(short_side=short_side, long_side=long_side, crop=crop, ignore_index=ignore_index)
+def protocol_predictions(
+    backbone: nn.Module,
+    train_split: SegmentationSplit,
+    val_split: SegmentationSplit,
+    num_classes: int,
+    ignore_index: int,
+    *,
+    layers: int,
+    iters: int,
+    short_side: int,
+    crop: int,
+    stride: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    num_workers: int,
+    accelerator: str,
+    precision: str | None,
+    progress: bool,
+) -> tuple[dict[int, Tensor], int, str]:
+    """The whole protocol: predicted class ids per val image (by index), the token width, the transforms."""
+    pl.seed_everything(seed, verbose=False)
+    with torch.no_grad():
+        blank = center_pad(torch.zeros(1, 3, crop, crop), int(backbone.size_multiple))
+        dim = int(dense_tokens(backbone, blank, layers)[0].shape[-1])
+    probe = CropProbe(
+        backbone, dim, num_classes, ignore_index, layers=layers, crop=crop, stride=stride, lr=lr
+    )
+    pipeline = TrainPipeline(
+        short_side=short_side, long_side=4 * short_side, crop=crop, ignore_index=ignore_index
+    )
+    crops = TrainCrops(train_split.images, train_split.masks, pipeline, iters * batch_size, seed)
+    predicted = train_and_predict_crops(
+        probe,
+        crops,
+        TestImages(val_split.images, short_side, 4 * short_side),
+        [tuple(m.shape) for m in val_split.masks],
+        batch_size=batch_size,
+        num_workers=num_workers,
+        accelerator=accelerator,
+        precision=precision,
+        progress=progress,
+    )
+    test = f"test: short side {short_side} (long at most {4 * short_side}), windows {crop} every {stride}"
+    return predicted, dim, f"train: {pipeline}; {test}"

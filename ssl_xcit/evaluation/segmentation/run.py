@@ -27,17 +27,10 @@ from ssl_xcit.evaluation.segmentation.data import (
     read_split,
     reduce_zero_label,
 )
-from ssl_xcit.evaluation.segmentation.features import DenseFeature, dense_tokens, split_dense_features
+from ssl_xcit.evaluation.segmentation.features import DenseFeature, split_dense_features
 from ssl_xcit.evaluation.segmentation.metrics import ConfusionMatrix, scores_from_confusion
 from ssl_xcit.evaluation.segmentation.probe import DEFAULT_LR, SegmentationProbe, TokenMasks, collate_tokens
-from ssl_xcit.evaluation.segmentation.protocol import (
-    CropProbe,
-    TestImages,
-    TrainCrops,
-    crop_pipeline,
-    train_and_predict_crops,
-)
-from ssl_xcit.evaluation.segmentation.slide import center_pad
+from ssl_xcit.evaluation.segmentation.protocol import protocol_predictions
 
 __all__ = ["DEFAULT_EPOCHS", "DEFAULT_ITERS", "format_segment_table", "run_segment", "write_predictions"]
 
@@ -235,27 +228,13 @@ def run_segment(
             extract=extract,
         )  # fmt: skip
     else:
-        short = short_side or DEFAULT_SHORT_SIDE
-        pl.seed_everything(seed, verbose=False)
-        with torch.no_grad():
-            probe_input = torch.zeros(1, 3, crop_size, crop_size)
-            dim = int(
-                dense_tokens(backbone, center_pad(probe_input, int(backbone.size_multiple)), layers)[0].shape[
-                    -1
-                ]
-            )
-        probe = CropProbe(
-            backbone, dim, num_classes, ignore_index, layers=layers, crop=crop_size, stride=stride, lr=lr
-        )
-        crops = TrainCrops(train_split.images, train_split.masks,
-                           crop_pipeline(short, 4 * short, crop_size, ignore_index), iters * batch_size, seed)  # fmt: skip
-        predicted = train_and_predict_crops(
-            probe, crops, TestImages(val_split.images, short, 4 * short), [m.shape for m in val_split.masks],
-            batch_size=batch_size, num_workers=num_workers, accelerator=accelerator, precision=precision,
-            progress=progress,
+        predicted, dim, transform = protocol_predictions(
+            backbone, train_split, val_split, num_classes, ignore_index, layers=layers, iters=iters,
+            short_side=short_side or DEFAULT_SHORT_SIDE, crop=crop_size, stride=stride, lr=lr,
+            batch_size=batch_size, seed=seed, num_workers=num_workers, accelerator=accelerator,
+            precision=precision, progress=progress,
         )  # fmt: skip
-        transform = f"train {crops.pipeline}; test short side {short} (long <= {4 * short}), slide {crop_size}/{stride}"
-        hits = None  # every crop is new: no cache
+        hits = None  # every crop is new: nothing is cached
 
     confusion = ConfusionMatrix(num_classes, ignore_index)
     order = sorted(predicted)
