@@ -1,14 +1,16 @@
 """The linear segmentation probe on CamVid: random-init XCiT (depth cut) against raw pixels, mIoU and wall time.
 
-    python benchmarks/bench_segment.py --epochs 40
+    python benchmarks/bench_segment.py --iters 40000                     # DINOv2's protocol, its sizes
+    python benchmarks/bench_segment.py --short-side 180 --crop-size 180 --stride 120 --iters 1000 --batch-size 8
+    python benchmarks/bench_segment.py --fast --epochs 40                # cached whole-image tokens
     python benchmarks/bench_segment.py --weights dino=runs/dino.pth --weights gram=runs/gram.pth --no-baselines
 
-Both rows probe patch tokens of stride 8 at CamVid's own 480 x 360 (``ssl-xcit segment`` defaults, DINOv2's
-linear protocol): raw pixels (each 8 x 8 patch flattened, 192 dims, ``PixelPatches``) and XCiT-N12/8 at random
-initialisation (seed 0) with its first ``--depth`` blocks. ``--weights NAME=PATH`` adds a row per trained
-backbone (any file ``ssl-xcit segment --weights`` takes), probed the same way; ``--no-baselines`` leaves out the
-two rows above (curves over many checkpoints). Void (id 11) is ignored. ``--limit`` keeps the first N images of
-each split, for a quick look; ``--json`` appends one line per row.
+Every row is ``ssl-xcit segment``'s probe of final-norm patch tokens of stride 8 (DINOv2's protocol unless
+``--fast``; sizes, budget and lr as given): raw pixels (each 8 x 8 patch flattened, 192 dims, ``PixelPatches``)
+and XCiT-N12/8 at random initialisation (seed 0) with its first ``--depth`` blocks. ``--weights NAME=PATH`` adds
+a row per trained backbone (any file ``ssl-xcit segment --weights`` takes), probed the same way;
+``--no-baselines`` leaves out the two rows above (curves over many checkpoints). Void (id 11) is ignored.
+``--limit`` keeps the first N images of each split, for a quick look; ``--json`` appends one line per row.
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ def _subset(camvid: Path, root: Path, limit: int | None) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--camvid", type=Path, default=REPO.parent / "shared" / "data" / "camvid")
-    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--fast", action="store_true", help="the head on cached whole-image tokens")
+    parser.add_argument("--epochs", type=int, default=None, help="--fast: passes (default 40)")
+    parser.add_argument("--iters", type=int, default=40_000, help="iterations of DINOv2's protocol")
+    parser.add_argument("--crop-size", type=int, default=512)
+    parser.add_argument("--stride", type=int, default=341)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=1, choices=(1, 4))
+    parser.add_argument("--seed", type=int, default=0, help="the head's seed (and its crops')")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--depth", type=int, default=4, help="XCiT-N12/8 blocks kept")
     parser.add_argument("--short-side", type=int, default=None)
@@ -75,20 +84,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
         train, val = _subset(args.camvid, Path(tmp) / "data", args.limit)
         for name, source in models:
             start = time.perf_counter()
-            r = run_segment(train, val, **source, ignore_index=11, num_classes=11, epochs=args.epochs,
-                            lr=args.lr, short_side=args.short_side, num_workers=2, accelerator=args.accelerator,
+            r = run_segment(train, val, **source, ignore_index=11, num_classes=11, fast=args.fast,
+                            epochs=args.epochs, iters=args.iters, crop_size=args.crop_size, stride=args.stride,
+                            batch_size=args.batch_size, layers=args.layers, seed=args.seed, lr=args.lr,
+                            short_side=args.short_side, num_workers=2, accelerator=args.accelerator,
                             cache_dir=Path(tmp) / "cache", progress=False)  # fmt: skip
             rows.append((name, r, time.perf_counter() - start))
-    print(
-        f"\nCamVid {rows[0][1]['num_train']} train / {rows[0][1]['num_val']} val, {args.epochs} epochs, lr {args.lr}"
+    budget = (
+        f"fast, {rows[0][1]['epochs']} epochs"
+        if args.fast
+        else f"{args.iters} iterations of {args.batch_size}"
     )
+    print(f"\nCamVid {rows[0][1]['num_train']} train / {rows[0][1]['num_val']} val, {budget}, lr {args.lr}")
     print("| features | dim | mIoU | pixel acc | wall s |\n|---|---|---|---|---|")
     for name, r, wall in rows:
         print(f"| {name} | {r['feature_dim']} | {r['miou']:.2f} | {r['pixel_acc']:.2f} | {wall:.0f} |")
     results = [
         {"name": name, "miou": r["miou"], "pixel_acc": r["pixel_acc"], "per_class_iou": r["per_class_iou"],
-         "feature_dim": r["feature_dim"], "wall_s": wall, "epochs": args.epochs, "lr": args.lr,
-         "short_side": args.short_side, "limit": args.limit}
+         "feature_dim": r["feature_dim"], "wall_s": wall, "fast": args.fast, "epochs": r["epochs"],
+         "iters": r["iters"], "crop_size": r["crop_size"], "stride": r["stride"], "batch_size": args.batch_size,
+         "layers": args.layers, "seed": args.seed, "lr": args.lr, "short_side": args.short_side,
+         "limit": args.limit}
         for name, r, wall in rows
     ]  # fmt: skip
     if args.json:

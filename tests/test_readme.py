@@ -79,8 +79,11 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit knn ", _FEATURES),
     (r"^ssl-xcit linear ", [*_FEATURES, "--epochs", "1"]),
     (r"^ssl-xcit embed ", _FEATURES),
-    (r"^ssl-xcit segment ", ["--short-side", "64", "--epochs", "1", "--batch-size", "4", "--num-workers", "0",
-                             "--no-progress"]),
+    (r"^ssl-xcit segment .*--fast", ["--short-side", "64", "--epochs", "1", "--batch-size", "4",
+                                     "--num-workers", "0", "--no-progress"]),
+    # DINOv2's protocol at 2 iterations of 2 crops of 32 px (its sliding windows still overlap: stride 21)
+    (r"^ssl-xcit segment ", ["--short-side", "32", "--crop-size", "32", "--stride", "21", "--iters", "2",
+                             "--batch-size", "2", "--num-workers", "0", "--no-progress"]),
     (r"^ssl-xcit prepare ", ["--no-progress"]),
     (r"^ssl-xcit fit -c eval/linear_xcit\.yaml ", [*_TRAIN, "--data.batch_size=4", "--data.num_workers=0",
                                                    "--data.crop_size=32", "--data.resize_size=32"]),

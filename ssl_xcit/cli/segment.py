@@ -2,6 +2,8 @@
 
 ssl-xcit segment --weights teacher.pth --train camvid/train --val camvid/val --ignore-index 11 --output seg.json
 ssl-xcit segment --arch xcit_nano_12_p8 --train VOC2012 --val VOC2012      # random-init baseline, VOC layout
+ssl-xcit segment --weights teacher.pth --train ADE/train --val ADE/val --reduce-zero-label   # ADE20K's ids
+ssl-xcit segment --fast --weights teacher.pth --train camvid/train --val camvid/val --ignore-index 11
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from ssl_xcit.cli.knn import add_backbone_arguments
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ssl-xcit segment",
-        description="Linear segmentation probe (DINOv2): BatchNorm + 1x1 linear layer on the frozen patch "
-        "tokens of whole images, logits upsampled to the mask, cross-entropy; mIoU, per-class IoU and pixel "
-        "accuracy on val from one confusion matrix over all its pixels.",
+        description="Linear segmentation probe (DINOv2): BatchNorm + 1x1 linear layer on the frozen final-norm "
+        "patch tokens, trained for --iters iterations on augmented crops (resize 0.5-2x, crop, flip, "
+        "photometric distortion), scored with sliding windows; --fast trains on cached tokens of whole images "
+        "instead. mIoU, per-class IoU and pixel accuracy on val from one confusion matrix over all its pixels.",
     )
     add_backbone_arguments(parser)
     layout = "DIR/images/ + DIR/masks/ (NAME.png of class ids per image), or a VOC folder (JPEGImages/, " \
@@ -36,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="mask value of unlabelled pixels, neither trained on nor scored (VOC, mmsegmentation: 255)",
     )
     parser.add_argument(
+        "--reduce-zero-label",
+        action="store_true",
+        help="id 0 is unlabelled and every other id drops by one (ADE20K's masks, as mmsegmentation reads them)",
+    )
+    parser.add_argument(
         "--num-classes",
         type=int,
         default=None,
@@ -47,26 +55,49 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=(1, 4),
         default=1,
-        help="patch tokens of the last block (1) or the last 4 blocks concatenated (4, DINOv2's 'linear4')",
+        help="final-norm patch tokens of the last block (1) or of the last 4 blocks concatenated (4, DINOv2's "
+        "multi-layer linear head)",
+    )
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help="the quick screen: the head on cached tokens of whole images, no augmentation, --epochs passes "
+        "(not DINOv2's protocol: docs/evaluation.md)",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=40_000,
+        help="training iterations of the default protocol (DINOv2: 40000)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="--fast only: passes over the cached train tokens (default 40)",
     )
     parser.add_argument(
         "--short-side",
         type=int,
         default=None,
-        help="resize each image so its short side is this many pixels (default: its own size); either way each "
-        "side is rounded to a multiple of the patch size. Scores are always at the mask's full size",
+        help="images are scaled so their short side is this (the long side at most 4x it), jittered 0.5-2x in "
+        "training (default 512, DINOv2's; --fast: each image's own size, rounded to the patch multiple). "
+        "Scores are always at the mask's full size",
     )
     parser.add_argument(
-        "--epochs", type=int, default=40, help="passes of the head over the cached train tokens"
+        "--crop-size", type=int, default=512, help="training crop and sliding window side (512)"
     )
+    parser.add_argument("--stride", type=int, default=341, help="sliding window stride (DINOv2: 341)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (DINOv2: 1e-3)")
     parser.add_argument(
         "--batch-size",
         type=int,
         default=16,
-        help="images per batch, for extraction and the head (DINOv2: 16)",
+        help="crops per iteration (DINOv2: 16); --fast: images per batch, for extraction and the head",
     )
-    parser.add_argument("--num-workers", type=int, default=8, help="image-decoding processes for extraction")
+    parser.add_argument(
+        "--num-workers", type=int, default=8, help="image-decoding (and augmenting) processes"
+    )
     parser.add_argument(
         "--cache-dir",
         default=None,
@@ -105,10 +136,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         weights=args.weights,
         arch=args.arch,
         layers=args.layers,
+        fast=args.fast,
+        iters=args.iters,
+        epochs=args.epochs,
         short_side=args.short_side,
+        crop_size=args.crop_size,
+        stride=args.stride,
+        reduce_zero_label=args.reduce_zero_label,
         ignore_index=args.ignore_index,
         num_classes=args.num_classes,
-        epochs=args.epochs,
         lr=args.lr,
         batch_size=args.batch_size,
         num_workers=cap_workers(args.num_workers, "--num-workers"),

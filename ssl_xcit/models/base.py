@@ -9,6 +9,8 @@ computes them:
 ``forward_patch_tokens(x)`` dense descriptors (B, N, ``dense_dim``) and their grid (h, w), h * w = N
 ``get_intermediate_layers`` token outputs of chosen blocks (the last ``n`` if an int, else those indices)
 ``get_intermediate_cls``    global embeddings computed from chosen blocks (ViT-style linear probes)
+``get_dense_layers(x, n)``  final-norm patch tokens of the chosen blocks: each block's tokens as the network
+                            outputs them had it ended there (DINOv2's ``get_intermediate_layers(norm=True)``)
 ``get_attention_maps(x)``   per block, the attention of the global query over the patch grid (B, heads, h*w),
                             and the grid; raises :class:`AttentionNotSupported` where there is no such query
 ``check_input(x)``          ``UserError`` naming the size and the constraint when the input cannot be taken
@@ -143,6 +145,12 @@ class Backbone(nn.Module):
         raise NotImplementedError
 
     def get_intermediate_cls(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        raise NotImplementedError
+
+    def get_dense_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Final-norm patch tokens (B, N_i, C_i) of the chosen blocks (the last ``n`` if an int): what the
+        segmentation probe reads. Each is what the family's final stage (norm, and XCiT's class attention)
+        makes of that block's tokens, so ``n=1`` gives the network's own final-norm patch tokens."""
         raise NotImplementedError
 
     def get_attention_maps(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:

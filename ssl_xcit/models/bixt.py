@@ -205,6 +205,17 @@ class BiXT(Backbone):
             self.fc_norm(lat.mean(dim=1)) for i, lat, _, _, _ in self._run(x, stop=wanted[-1]) if i in wanted
         ]
 
+    def get_dense_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Tokens (B, N, D) after chosen bi-directional layers (0 .. depth - 2), each normed by the LN through
+        which the next layer reads them (its ``norm1_pat``): BiXT has no final token norm, and the last layer
+        gives ``forward_patch_tokens``."""
+        wanted = self._block_indices(n, self.depth - 1, f" (bi-directional layers 0 .. {self.depth - 2})")
+        return [
+            self.blocks[i + 1].cross_attention_latents_token.norm1_pat(pat)
+            for i, _, pat, _, _ in self._run(x, stop=wanted[-1])
+            if i in wanted
+        ]
+
     def get_attention_maps(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
         """Per layer, the latents' attention over the tokens averaged over latents, (B, heads, N).
 

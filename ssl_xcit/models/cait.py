@@ -138,6 +138,11 @@ class CaiT(Backbone, Cait):
         """CLS embeddings (B, C) from class attention + norm on each chosen block's tokens (last one = forward)."""
         return [self.norm(self.forward_cls(t))[:, 0] for t in self.get_intermediate_layers(x, n)]
 
+    def get_dense_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Patch tokens (B, N, C) of the chosen self-attention blocks after the final norm (class attention
+        updates only CLS, so this is what ``forward_features`` gives for the last block)."""
+        return [self.norm(t) for t in self.get_intermediate_layers(x, n)]
+
     def get_attention_maps(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
         """Per class-attention block, the CLS query's softmax over the patches (B, heads, h*w), and the grid.
 

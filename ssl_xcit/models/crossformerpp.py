@@ -198,6 +198,12 @@ class CrossFormerPP(Backbone):
         block this equals ``forward`` of a headless model."""
         return [self._stage_norm(s)(t).mean(dim=1) for s, t in self._intermediates(x, n)]
 
+    def get_dense_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Tokens (B, N_s, C_s) of the chosen blocks after the LN that follows their stage (the next CEL's
+        input LN, or the final LN after stage 4): the last block gives ``forward_features``, stage 4 at stride
+        32."""
+        return [self._stage_norm(s)(t) for s, t in self._intermediates(x, n)]
+
 
 def _init_weights(module: nn.Module) -> None:
     """Official init: Linear trunc-normal(0.02) with zero bias; LN (1, 0); convs keep PyTorch's default."""

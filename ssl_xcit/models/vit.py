@@ -124,6 +124,11 @@ class TimmViT(Backbone, VisionTransformer):
         """The pooled embedding (CLS after the final norm, as DINO's ViT linear probe) of each chosen block."""
         return [self.forward_head(self.norm(t), pre_logits=True) for t in self._block_outputs(x, n)]
 
+    def get_dense_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Patch tokens (B, N, C) of the chosen blocks after the final norm, prefix tokens removed (DINOv2's
+        ``get_intermediate_layers(..., norm=True)``)."""
+        return [self.norm(t)[:, self.num_prefix_tokens :] for t in self._block_outputs(x, n)]
+
     def get_attention_maps(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
         """The CLS query's attention over the patches in the last block, (B, heads, h*w), and the grid."""
         if self.cls_token is None:

@@ -223,6 +223,12 @@ class XCiT(Backbone):
         """
         return [self._class_attention(tokens)[0][:, 0] for tokens in self.get_intermediate_layers(x, n)]
 
+    def get_dense_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Patch tokens (B, N, C) of each chosen XCA block after class attention and the final norm (class
+        attention changes the patch tokens too: they take their norm1 residual), as ``forward_features``
+        gives them for the last block."""
+        return [self._class_attention(t)[0][:, 1:] for t in self.get_intermediate_layers(x, n)]
+
     def get_attention_maps(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
         """Backbone interface: the CLS query's attention over the patch grid, (B, heads, h*w) per block."""
         maps, grid = self.get_class_attention(x)

@@ -1,5 +1,6 @@
-"""``ssl-xcit segment``: the probe learns an easy constructed task, runs end to end on CamVid photos and on a VOC
-layout, writes predictions that rescore to its own numbers, reuses the cache, and rejects bad data in one line."""
+"""``ssl-xcit segment --fast`` (the head on cached tokens): the probe learns an easy constructed task, runs end to
+end on CamVid photos and on a VOC layout, writes predictions that rescore to its own numbers, reuses the cache,
+and rejects bad data in one line. The default protocol: test_segment_protocol.py."""
 
 from __future__ import annotations
 
@@ -69,7 +70,12 @@ def test_probe_learns_an_easy_constructed_task(tmp_path):
     train = write_folder(tmp_path / "train", [halves(rng, (64, 128)) for _ in range(8)])
     val = write_folder(tmp_path / "val", [halves(rng, (64, 128)) for _ in range(4)])
     common = dict(
-        arch="xcit_nano_12_p8", num_workers=0, accelerator="cpu", progress=False, cache_dir=tmp_path / "c"
+        arch="xcit_nano_12_p8",
+        num_workers=0,
+        accelerator="cpu",
+        progress=False,
+        cache_dir=tmp_path / "c",
+        fast=True,
     )
     # 60 steps is a tiny budget for DINOv2's lr of 1e-3 (76 % mIoU here); 1e-2 fits it (98 %).
     results = run_segment(train, val, epochs=30, batch_size=4, lr=1e-2, **common)
@@ -88,7 +94,9 @@ def test_a_module_passed_in_is_probed_and_keyed_on_itself(tmp_path):
     rng = np.random.default_rng(0)
     train = write_folder(tmp_path / "train", [halves(rng, (64, 128)) for _ in range(4)])
     val = write_folder(tmp_path / "val", [halves(rng, (64, 128)) for _ in range(2)])
-    common = dict(num_workers=0, accelerator="cpu", progress=False, cache_dir=tmp_path / "c", lr=1e-2)
+    common = dict(
+        num_workers=0, accelerator="cpu", progress=False, cache_dir=tmp_path / "c", lr=1e-2, fast=True
+    )
     # Red against blue is linear in raw pixels: every whole-patch token is right.
     pixels = run_segment(train, val, model=PixelPatches(16), epochs=20, **common)
     assert pixels["miou"] > 95 and pixels["feature_dim"] == 3 * 16 * 16
@@ -112,7 +120,7 @@ def camvid_few(shared_data, tmp_path_factory):
 
 def test_cli_on_camvid_writes_results_and_predictions_that_rescore_the_same(camvid_few, tmp_path):
     args = ["segment", *TINY, "--train", str(camvid_few / "train"), "--val", str(camvid_few / "val"),
-            "--ignore-index", "11", "--short-side", "64", "--epochs", "2",
+            "--ignore-index", "11", "--short-side", "64", "--fast", "--epochs", "2",
             "--batch-size", "3", "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
     out, preds = tmp_path / "seg.json", tmp_path / "preds"
     results = main([*args, "--output", str(out), "--predictions", str(preds)])
@@ -158,7 +166,7 @@ def test_voc_layout_reads_the_split_lists(tmp_path):
                                       "val": ["2008_000001", "2008_000002"]}, rng)  # fmt: skip
     Image.fromarray(halves(rng)[0]).save(voc / "JPEGImages" / "not_listed.jpg")  # in no list: never read
     results = main(["segment", *TINY, "--train", str(voc), "--val", str(voc), "--num-classes", "21",
-                    "--epochs", "1", "--cache-dir", str(tmp_path / "c"), "--predictions", str(tmp_path / "p")])  # fmt: skip
+                    "--fast", "--epochs", "1", "--cache-dir", str(tmp_path / "c"), "--predictions", str(tmp_path / "p")])  # fmt: skip
     assert results["num_train"] == 3 and results["num_val"] == 2 and results["ignore_index"] == 255
     assert list(results["per_class_iou"]) == list(VOC_CLASSES)
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["2008_000001.png", "2008_000002.png"]
@@ -231,15 +239,17 @@ def test_every_family_gives_a_patch_grid_and_runs_the_probe(name, kwargs, tmp_pa
     with torch.no_grad():
         last, grid = dense_tokens(model, images, 1)
         four, grid4 = dense_tokens(model, images, 4)
-    assert last.shape == (2, grid[0] * grid[1], model.dense_dim) and grid[1] / grid[0] == 1.5
+        blocks = model.get_dense_layers(images, 4)
+    # The last block's final-norm tokens (CrossFormer++: stage 4, 8C wide, stride 32), on their grid.
+    torch.testing.assert_close(last, blocks[-1])
+    assert last.shape[1] == grid[0] * grid[1] and grid[1] / grid[0] == 1.5
     assert grid4[1] / grid4[0] == 1.5 and four.shape[:2] == (2, grid4[0] * grid4[1])
-    blocks = model.get_intermediate_layers(images[:1], 4)
     assert four.shape[2] == sum(b.shape[2] for b in blocks)
     rng = np.random.default_rng(0)
     size = (2 * m, 3 * m)
     train = write_folder(tmp_path / "train", [halves(rng, size) for _ in range(2)])
     val = write_folder(tmp_path / "val", [halves(rng, size)])
     # The module itself (checkpoint loading is knn's and is tested per family in test_families.py).
-    results = run_segment(train, val, model=model, layers=4, epochs=1, num_workers=0,
+    results = run_segment(train, val, model=model, layers=4, fast=True, epochs=1, num_workers=0,
                           accelerator="cpu", progress=False, cache_dir=tmp_path / "c")  # fmt: skip
     assert results["feature_dim"] == four.shape[2] and 0 <= results["pixel_acc"] <= 100

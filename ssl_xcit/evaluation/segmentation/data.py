@@ -35,6 +35,7 @@ __all__ = [
     "dense_transform",
     "find_pairs",
     "read_split",
+    "reduce_zero_label",
 ]
 
 VOC_CLASSES = (
@@ -129,6 +130,13 @@ def read_split(root: str | os.PathLike, split: str) -> SegmentationSplit:
             size = im.size
         masks.append(read_mask(mask, size))
     return SegmentationSplit([i for i, _ in pairs], masks, voc)
+
+
+def reduce_zero_label(mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """mmsegmentation's ``reduce_zero_label`` (ADE20K, whose id 0 is "other"): 0 becomes the ignore index, the
+    ignore index stays, every other id drops by one."""
+    ignored = (mask == 0) | (mask == ignore_index)
+    return torch.where(ignored, torch.full_like(mask, ignore_index), mask - 1)
 
 
 def check_ids(split: SegmentationSplit, name: str, num_classes: int, ignore_index: int) -> None:

@@ -1,11 +1,12 @@
 """Dense frozen features per image, through the same cache as ``knn``'s.
 
-Each image gives a (h*w, C) grid of patch tokens: the backbone's ``forward_patch_tokens`` (``layers=1``), or the
-last 4 blocks' ``get_intermediate_layers`` concatenated along channels (``layers=4``, DINOv2's multi-layer linear
-probe), each block's grid resized bilinearly to the finest one (CrossFormer++'s blocks may span two stages).
-A split is stored as all its tokens in one (sum h*w, C) tensor (float16 when every value fits, which halves
-the cache and the memory a split takes; the probe's BatchNorm makes the rounding immaterial), ``grids``
-(n, 2) and ``indices``: images of different sizes share one entry.
+Each image gives a (h*w, C) grid of final-norm patch tokens, the backbone's ``get_dense_layers`` (DINOv2's
+``get_intermediate_layers(..., norm=True)``): the last block's (``layers=1``), or the last 4 blocks'
+concatenated along channels (``layers=4``, DINOv2's multi-layer linear probe), each block's grid resized
+bilinearly to the finest one (CrossFormer++'s blocks may span two stages). A split is stored as all its tokens
+in one (sum h*w, C) tensor (float16 when every value fits, which halves the cache and the memory a split takes;
+the probe's BatchNorm makes the rounding immaterial), ``grids`` (n, 2) and ``indices``: images of different
+sizes share one entry.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from ssl_xcit.evaluation.keys import feature_meta
 
 __all__ = ["DENSE_EXTRACTION_VERSION", "DenseFeature", "dense_tokens", "split_dense_features"]
 
-DENSE_EXTRACTION_VERSION = "dense-v1: patch tokens per image, float16 when in range, grids by image"
+DENSE_EXTRACTION_VERSION = (
+    "dense-v2: final-norm patch tokens per image, float16 when in range, grids by image"
+)
 LAYER_CHOICES = (1, 4)
 _FP16_MAX = torch.finfo(torch.float16).max
 
@@ -62,11 +65,12 @@ def _grid_of(tokens: Tensor, height: int, width: int) -> tuple[int, int]:
 
 
 def dense_tokens(backbone: nn.Module, images: Tensor, layers: int = 1) -> tuple[Tensor, tuple[int, int]]:
-    """Patch tokens (B, h*w, C) of a batch of equally sized images and their grid (h, w)."""
-    if layers == 1:
-        return backbone.forward_patch_tokens(images)
+    """Final-norm patch tokens (B, h*w, C) of a batch of equally sized images and their grid (h, w): the last
+    ``layers`` blocks' ``get_dense_layers``, concatenated along channels at the finest grid."""
     height, width = images.shape[-2:]
-    outputs = backbone.get_intermediate_layers(images, layers)
+    outputs = backbone.get_dense_layers(images, layers)
+    if len(outputs) == 1:
+        return outputs[0], _grid_of(outputs[0], height, width)
     finest = max(outputs, key=lambda t: t.shape[1])
     grid = _grid_of(finest, height, width)
     maps = []

@@ -1,13 +1,16 @@
-"""The linear segmentation head on cached patch tokens, trained as DINOv2's linear probe is.
+"""The linear segmentation head, trained as DINOv2's linear probe is, and its fast mode on cached tokens.
 
 DINOv2's linear protocol (its mmsegmentation ``BNHead`` configs): BatchNorm on the frozen patch tokens, a 1x1
 convolution to class logits (weight ~ N(0, 0.01), bias 0), logits upsampled bilinearly (align_corners=False) to
-the mask size, cross-entropy with an ignore index averaged over the batch's labelled pixels, AdamW (lr 1e-3,
-weight decay 1e-4), linear warmup over the first 1500/40000 of the steps, then poly(1.0) decay to 0.
+the mask size, cross-entropy with an ignore index averaged over ALL the batch's pixels, ignored ones counting 0
+(mmsegmentation's default ``avg_non_ignore=False``), AdamW (lr 1e-3, weight decay 1e-4, betas 0.9/0.999) under
+mmcv's poly schedule (power 1, min lr 0) with linear warmup over the first 1500/40000 of the steps from 1e-6 of
+the decayed lr (:func:`poly_warmup_factors`).
 
-A 1x1 convolution is a linear layer per token, and BatchNorm2d over (B, h, w) is BatchNorm1d over the batch's
-tokens, so images of any sizes share a batch as one (sum h*w, C) matrix. Training reads cached tokens: no
-augmentation (DINOv2 crops and flips the images), and every epoch costs only the head.
+:class:`SegmentationProbe` is the head; here it also trains on cached tokens of whole images (``--fast``): no
+augmentation, and every epoch costs only the head. A 1x1 convolution is a linear layer per token, and
+BatchNorm2d over (B, h, w) is BatchNorm1d over the batch's tokens, so images of any sizes share a batch as one
+(sum h*w, C) matrix. The default protocol (augmented crops, sliding windows) is :mod:`.protocol`.
 """
 
 from __future__ import annotations
@@ -21,11 +24,24 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
-__all__ = ["DEFAULT_LR", "SegmentationProbe", "TokenMasks", "collate_tokens"]
+__all__ = ["DEFAULT_LR", "SegmentationProbe", "TokenMasks", "collate_tokens", "poly_warmup_factors"]
 
 DEFAULT_LR = 1e-3
 WEIGHT_DECAY = 1e-4
 WARMUP_FRACTION = 1500 / 40000  # DINOv2's 1,500 warmup iterations of 40,000
+WARMUP_RATIO = 1e-6  # mmcv's warmup_ratio in DINOv2's config
+
+
+def poly_warmup_factors(total: int, warmup: int, warmup_ratio: float = WARMUP_RATIO) -> list[float]:
+    """The lr factor of each iteration 0 .. total - 1: mmcv's poly decay (power 1, min lr 0), times its linear
+    warmup, which rises from ``warmup_ratio`` to 1 over ``warmup`` iterations."""
+    factors = []
+    for it in range(total):
+        factor = 1.0 - it / total
+        if it < warmup:
+            factor *= 1.0 - (1.0 - it / warmup) * (1.0 - warmup_ratio)
+        factors.append(factor)
+    return factors
 
 
 class TokenMasks(Dataset):
@@ -68,12 +84,17 @@ class SegmentationProbe(pl.LightningModule):
         weight_decay: float = WEIGHT_DECAY,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.lr, self.weight_decay = lr, weight_decay
         self.bn = nn.BatchNorm1d(dim)
         self.classifier = nn.Linear(dim, num_classes)
         nn.init.normal_(self.classifier.weight, mean=0.0, std=0.01)
         nn.init.zeros_(self.classifier.bias)
         self.ignore_index = ignore_index
+
+    def grid_logits(self, tokens: Tensor, grid: tuple[int, int]) -> Tensor:
+        """Class logits (B, K, h, w) of a batch of token grids (B, h*w, C)."""
+        logits = self.classifier(self.bn(tokens.flatten(0, 1).float()))
+        return logits.reshape(tokens.shape[0], *grid, -1).permute(0, 3, 1, 2)
 
     def forward(self, tokens: list[Tensor], grids: list[tuple[int, int]]) -> list[Tensor]:
         """Class logits (K, h, w) per image, at the token grid."""
@@ -97,8 +118,7 @@ class SegmentationProbe(pl.LightningModule):
             F.cross_entropy(lg[None], m[None], ignore_index=self.ignore_index, reduction="sum")
             for lg, m in zip(logits, masks, strict=True)
         )
-        labelled = sum(int((m != self.ignore_index).sum()) for m in masks)
-        loss = total / max(labelled, 1)
+        loss = total / sum(m.numel() for m in masks)  # over every pixel, ignored ones adding 0
         self.log("train/loss", loss, prog_bar=True, batch_size=len(masks))
         return loss
 
@@ -109,16 +129,9 @@ class SegmentationProbe(pl.LightningModule):
         return [(i, lg.argmax(0).cpu()) for i, lg in zip(indices, logits, strict=True)]
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(
-            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
-        )
+        head = [p for name, p in self.named_parameters() if name.startswith(("bn.", "classifier."))]
+        optimizer = torch.optim.AdamW(head, lr=self.lr, weight_decay=self.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup = round(total * WARMUP_FRACTION)
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return max(0.0, 1.0 - step / total)
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        factors = poly_warmup_factors(total, round(total * WARMUP_FRACTION))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factors[min(step, total - 1)])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
