@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
-import numpy as np
-import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ssl_xcit.data.callbacks import SkippedImagesLogger
 from ssl_xcit.data.crops import MultiCropGeometry
+from ssl_xcit.data.datamodule_device import DeviceAugmentHooks
 from ssl_xcit.data.datasets import ImageDataset, open_folders
 from ssl_xcit.data.device_augment import PhotometricAugment
 from ssl_xcit.data.device_crops import DECODE_ON, CropReader
@@ -39,7 +38,6 @@ from ssl_xcit.data.shards import is_shard_root, is_url
 from ssl_xcit.data.storage import storage_options as parse_storage_options
 from ssl_xcit.data.streaming import dataset_view, open_shards
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
-from ssl_xcit.data.transfer import OTHER_STREAM, augment_batch, loop_position
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 from ssl_xcit.errors import UserError
 
@@ -49,7 +47,7 @@ __all__ = ["AUGMENT_ON", "DINODataModule", "SkippedImagesLogger"]
 AUGMENT_ON = ("auto", "cpu", "device")
 
 
-class DINODataModule(L.LightningDataModule):
+class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
     """Images for DINO pretraining, from a folder, an ImageFolder tree or a list file (or the built-in set).
 
     Args:
@@ -229,19 +227,6 @@ class DINODataModule(L.LightningDataModule):
         self.knn_unavailable_reason: str | None = None
         self._knn: tuple[ImageDataset, ImageDataset] | None = None
 
-    def _use_augment_on(self, where: str) -> None:
-        self.augment_on = where
-        self.train_transform = self.reader if where == "device" else self.cpu_transform
-        self.device_augment = self.photometric if where == "device" else None
-
-    def resolve_augment_on(self) -> str:
-        """``augment_on`` with ``auto`` resolved: ``device`` when the trainer runs on an accelerator, else ``cpu``."""
-        if self.hparams.augment_on != "auto":
-            return self.hparams.augment_on
-        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
-        device = getattr(strategy, "root_device", None)
-        return "device" if device is not None and device.type != "cpu" else "cpu"
-
     @property
     def num_crops(self) -> int:
         return self.train_transform.num_crops
@@ -373,45 +358,6 @@ class DINODataModule(L.LightningDataModule):
                 self.train_dataset, self.val_dataset, self.eval_transform, hp.knn_bank_limit, hp.split_seed
             )
         return self._knn
-
-    # ------------------------------------------------------------------------------- device augmentation
-    def augment_seed(self) -> int:
-        """The run's seed for the device augmentation: ``torch.initial_seed()`` at first use (Lightning's
-        ``seed_everything``), or the one a loaded checkpoint recorded."""
-        if self._augment_seed is None:
-            self._augment_seed = int(torch.initial_seed())
-        return self._augment_seed
-
-    def batch_rng(self) -> np.random.Generator:
-        """The generator of the batch being transferred, seeded by (run seed, rank, stream, epoch, batch): see
-        ``ssl_xcit.data.transfer`` for why it is derived per batch."""
-        trainer = self.trainer
-        rank = trainer.global_rank if trainer is not None else 0
-        key = loop_position(trainer)
-        if key is None:
-            key = (OTHER_STREAM, 0, self._other_batches)
-            self._other_batches += 1
-        return np.random.default_rng([self.augment_seed(), rank, *key])
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """With ``augment_on="device"``: the decode, crops and photometric augmentation of a multi-crop batch, on
-        its device (``ssl_xcit.data.transfer``)."""
-        if self.device_augment is None:
-            return batch
-        batch, fallbacks = augment_batch(
-            batch, self.reader, self.device_augment, self.batch_rng, self.trainer
-        )
-        self.decode_fallbacks += fallbacks
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"augment_seed": self.augment_seed()} if self.device_augment is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "augment_seed" in state_dict:
-            self._augment_seed = int(state_dict["augment_seed"])
-        # Checkpoints from before per-batch seeding hold "augment_rng", one generator state (rank 0's): it is
-        # ignored, and the draws continue from this run's seed.
 
     # ------------------------------------------------------------------------------------------ bookkeeping
     @property
