@@ -227,6 +227,19 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
         self.knn_unavailable_reason: str | None = None
         self._knn: tuple[ImageDataset, ImageDataset] | None = None
 
+    def _use_augment_on(self, where: str) -> None:
+        self.augment_on = where
+        self.train_transform = self.reader if where == "device" else self.cpu_transform
+        self.device_augment = self.photometric if where == "device" else None
+
+    def resolve_augment_on(self) -> str:
+        """``augment_on`` with ``auto`` resolved: ``device`` when the trainer runs on an accelerator, else ``cpu``."""
+        if self.hparams.augment_on != "auto":
+            return self.hparams.augment_on
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        device = getattr(strategy, "root_device", None)
+        return "device" if device is not None and device.type != "cpu" else "cpu"
+
     @property
     def num_crops(self) -> int:
         return self.train_transform.num_crops

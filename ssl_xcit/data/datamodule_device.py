@@ -1,5 +1,5 @@
-"""``DINODataModule``'s hooks for ``augment_on``: where the augmentation runs, and on the device its per-batch
-generators, the transfer hook that decodes, crops and augments there, and the run seed that checkpoints carry."""
+"""``DINODataModule``'s hooks for ``augment_on="device"``: the per-batch generators, the transfer hook that
+decodes, crops and augments on the device, and the run seed that checkpoints carry."""
 
 from __future__ import annotations
 
@@ -12,21 +12,8 @@ from ssl_xcit.data.transfer import OTHER_STREAM, augment_batch, loop_position
 
 
 class DeviceAugmentHooks:
-    """Mixed into ``DINODataModule`` (which sets ``reader``, ``photometric``, ``cpu_transform``,
-    ``_augment_seed``, ``_other_batches`` and ``decode_fallbacks``); not usable alone."""
-
-    def _use_augment_on(self, where: str) -> None:
-        self.augment_on = where
-        self.train_transform = self.reader if where == "device" else self.cpu_transform
-        self.device_augment = self.photometric if where == "device" else None
-
-    def resolve_augment_on(self) -> str:
-        """``augment_on`` with ``auto`` resolved: ``device`` when the trainer runs on an accelerator, else ``cpu``."""
-        if self.hparams.augment_on != "auto":
-            return self.hparams.augment_on
-        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
-        device = getattr(strategy, "root_device", None)
-        return "device" if device is not None and device.type != "cpu" else "cpu"
+    """Mixed into ``DINODataModule`` (which sets ``reader``, ``device_augment``, ``_augment_seed``,
+    ``_other_batches`` and ``decode_fallbacks``); not usable alone."""
 
     def augment_seed(self) -> int:
         """The run's seed for the device augmentation: ``torch.initial_seed()`` at first use (Lightning's
