@@ -38,10 +38,10 @@ from torch import nn
 
 from ssl_xcit.cli.quiet import install_filters
 from ssl_xcit.data.datamodule import DINODataModule
-from ssl_xcit.dino.callbacks import OnlineKNN
 from ssl_xcit.dino.module import DINO
 from ssl_xcit.evaluation.embed import embed_dataset
 from ssl_xcit.evaluation.knn import weighted_knn
+from ssl_xcit.trainer.callbacks import OnlineKNN
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SSL_XCIT_SHARED_DATA", REPO.parent / "shared" / "data"))

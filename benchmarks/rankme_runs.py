@@ -7,7 +7,7 @@
 
 For each tagged run it rebuilds the step-0 teacher (the run's model settings from its JSON line, seed 0, as
 ``learning.py`` builds it), loads ``<save>_e<N>.pth`` for every epoch N, and computes RankMe of the embeddings
-and of the patch tokens (``ssl_xcit.dino.rankme``) on the held-out images: the same 20 % split ``learning.py``
+and of the patch tokens (``ssl_xcit.trainer.rankme``) on the held-out images: the same 20 % split ``learning.py``
 holds out of an ImageFolder path (``val_fraction`` 0.2, seed 0), with the datamodule's eval transform. Prints a
 row per evaluation with the run's k-NN at its start and end, writes the curves as JSON (``--json``) and draws
 them (``--out``, a PNG): random init is the step-0 point every run shares.
@@ -25,8 +25,8 @@ import torch
 
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.dino.module import DINO
-from ssl_xcit.dino.rankme import held_out_grams, rankme_from_gram
 from ssl_xcit.models.checkpoint import build_backbone
+from ssl_xcit.trainer.rankme import held_out_grams, rankme_from_gram
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

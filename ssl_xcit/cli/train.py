@@ -8,7 +8,7 @@ and suggests the closest valid key.
 What :class:`SSLXCiTCLI` adds to LightningCLI: one folder per run (``ssl_xcit.cli.rundir``: logs and
 checkpoints together, ``--run_dir``, ``--ckpt_path last`` naming the run it resumes), ``num_workers`` capped to
 the usable cores, quiet output (``ssl_xcit.cli.quiet``), a checkpoint and a clean stop on SIGTERM or SLURM's
-SIGUSR1 (``ssl_xcit.dino.preemption``) and, after ``fit``, where everything is.
+SIGUSR1 (``ssl_xcit.trainer.preemption``) and, after ``fit``, where everything is.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ssl_xcit.cli.errors import ShortErrorParser
 from ssl_xcit.cli.quiet import cap_workers, install_filters
 from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, inherited_run_dir, place_run
 
-PREEMPTION = "ssl_xcit.dino.preemption.PreemptionCheckpoint"
+PREEMPTION = "ssl_xcit.trainer.preemption.PreemptionCheckpoint"
 
 
 class SSLXCiTCLI(LightningCLI):

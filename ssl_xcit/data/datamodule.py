@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
-import numpy as np
-import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ssl_xcit.data.callbacks import SkippedImagesLogger
+from ssl_xcit.data.datamodule_device import DeviceAugmentHooks
 from ssl_xcit.data.datasets import ImageDataset, open_folders
 from ssl_xcit.data.device_augment import PhotometricAugment
 from ssl_xcit.data.device_crops import DECODE_ON, CropReader
@@ -39,7 +38,6 @@ from ssl_xcit.data.stages import check_high_res, in_high_res_stage, stage_crops
 from ssl_xcit.data.storage import storage_options as parse_storage_options
 from ssl_xcit.data.streaming import dataset_view, open_shards
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
-from ssl_xcit.data.transfer import OTHER_STREAM, augment_batch, loop_position
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 from ssl_xcit.errors import UserError
 
@@ -49,7 +47,7 @@ __all__ = ["AUGMENT_ON", "DINODataModule", "SkippedImagesLogger"]
 AUGMENT_ON = ("auto", "cpu", "device")
 
 
-class DINODataModule(L.LightningDataModule):
+class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
     """Images for DINO pretraining, from a folder, an ImageFolder tree or a list file (or the built-in set).
 
     Args:
@@ -390,49 +388,10 @@ class DINODataModule(L.LightningDataModule):
 
     def heldout_dataset(self) -> ImageDataset | None:
         """The held-out images (``val_root`` or the ``val_fraction`` split), labelled or not, with the eval
-        transform, for the label-free monitor (``ssl_xcit.dino.rankme``); None without a val set."""
+        transform, for the label-free monitor (``ssl_xcit.trainer.rankme``); None without a val set."""
         if self.train_dataset is None:
             self.setup("validate")
         return None if self._heldout is None else dataset_view(self._heldout, self.eval_transform)
-
-    # ------------------------------------------------------------------------------- device augmentation
-    def augment_seed(self) -> int:
-        """The run's seed for the device augmentation: ``torch.initial_seed()`` at first use (Lightning's
-        ``seed_everything``), or the one a loaded checkpoint recorded."""
-        if self._augment_seed is None:
-            self._augment_seed = int(torch.initial_seed())
-        return self._augment_seed
-
-    def batch_rng(self) -> np.random.Generator:
-        """The generator of the batch being transferred, seeded by (run seed, rank, stream, epoch, batch): see
-        ``ssl_xcit.data.transfer`` for why it is derived per batch."""
-        trainer = self.trainer
-        rank = trainer.global_rank if trainer is not None else 0
-        key = loop_position(trainer)
-        if key is None:
-            key = (OTHER_STREAM, 0, self._other_batches)
-            self._other_batches += 1
-        return np.random.default_rng([self.augment_seed(), rank, *key])
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """With ``augment_on="device"``: the decode, crops and photometric augmentation of a multi-crop batch, on
-        its device (``ssl_xcit.data.transfer``)."""
-        if self.device_augment is None:
-            return batch
-        batch, fallbacks = augment_batch(
-            batch, self.reader, self.device_augment, self.batch_rng, self.trainer
-        )
-        self.decode_fallbacks += fallbacks
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"augment_seed": self.augment_seed()} if self.device_augment is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "augment_seed" in state_dict:
-            self._augment_seed = int(state_dict["augment_seed"])
-        # Checkpoints from before per-batch seeding hold "augment_rng", one generator state (rank 0's): it is
-        # ignored, and the draws continue from this run's seed.
 
     # ------------------------------------------------------------------------------------------ bookkeeping
     @property

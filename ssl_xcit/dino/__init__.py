@@ -1,4 +1,7 @@
-"""DINO self-distillation for XCiT: head, loss, schedules, optimisation, the LightningModule and callbacks.
+"""DINO self-distillation for XCiT: head, loss, schedules, optimisation, the LightningModule.
+
+The objective lives here (masked_bn, multicrop, optim, optimizer_step and precision included, as DINO's math);
+the run around the step (callbacks, checkpointing, pre-emption, progress, synced BatchNorm) is in ssl_xcit.trainer.
 
 >>> from ssl_xcit.dino import DINO
 >>> model = DINO("xcit_nano_12_p16", out_dim=4096)

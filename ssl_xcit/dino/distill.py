@@ -310,7 +310,7 @@ class Distill(DINO):
         self.teacher.train(False)
 
     def configure_model(self) -> None:
-        from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
+        from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
 
         world_size = self.trainer.world_size
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self.student):

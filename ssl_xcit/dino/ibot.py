@@ -18,7 +18,7 @@ import torch
 
 from ssl_xcit.dino.masking import BlockMaskGenerator, check_mask_settings, draw_masks
 from ssl_xcit.dino.multicrop import MultiCropWrapper
-from ssl_xcit.dino.transfer import host_to_device
+from ssl_xcit.utils.transfer import host_to_device
 
 
 class MaskedPatches(NamedTuple):

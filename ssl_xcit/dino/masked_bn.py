@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ssl_xcit.dino.syncbn import AllReduceBatchNorm
 from ssl_xcit.errors import UserError
+from ssl_xcit.trainer.syncbn import AllReduceBatchNorm
 
 
 def weighted_batch_norm(bn: nn.BatchNorm2d, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ One training step, top to bottom (``main_dino.py:train_one_epoch``):
    crops get block masks; the teacher sees them unmasked; ``ssl_xcit.dino.ibot``). ``compute_losses`` is
    this step's math, shared with ``validation_step``;
 3. record on the device whether the loss is finite (read every ``sync_every_n_steps`` steps:
-   ``ssl_xcit.dino.step_checks``);
+   ``ssl_xcit.trainer.step_checks``);
 4. backward; per-parameter gradient clipping; last-layer gradients dropped while epoch < freeze_last_layer;
    optimiser step;
 5. EMA of the student's parameters into the teacher with the per-iteration momentum.
@@ -32,7 +32,6 @@ from ssl_xcit.dino.gram import build_gram_teacher, gram_crops_from_batch
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.init_from import check_init_settings
-from ssl_xcit.dino.lifecycle import DINOLifecycle
 from ssl_xcit.dino.loss import DINOLoss, TeacherTargets
 from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
 from ssl_xcit.dino.optimizer_step import before_optimizer_step, ema_update, gradient_sync, window_step
@@ -45,9 +44,10 @@ from ssl_xcit.dino.step import (
     log_host_scalars,
     log_losses,
 )
-from ssl_xcit.dino.step_checks import FiniteWatch, HostAgreement
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
+from ssl_xcit.trainer.lifecycle import DINOLifecycle
+from ssl_xcit.trainer.step_checks import FiniteWatch, HostAgreement
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -97,7 +97,7 @@ class DINO(DINOLifecycle):
             SyncBatchNorm cannot run on CPU/gloo, and reads the host in every forward on CUDA).
         compile: ``torch.compile`` the two backbones (in place: checkpoint keys unchanged).
         collapse_guard: ``warn`` once, or ``stop`` the run, when the teacher holds a collapse mode for
-            ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.dino.collapse``);
+            ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.trainer.collapse``);
             ``off`` disables it.
         koleo_weight: weight of DINOv2's KoLeo regulariser on the student's global-crop embeddings (0 = off,
             as in DINO; DINOv2 uses 0.1). It spreads the batch apart, which small data needs to escape the
@@ -267,7 +267,7 @@ class DINO(DINOLifecycle):
         # the collapse guard reads them every sync_every_n_steps steps.
         self.signal_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._finite = FiniteWatch()
-        # Host values for the progress bar (``ssl_xcit.dino.progress``), refreshed by the reads above only.
+        # Host values for the progress bar (``ssl_xcit.trainer.progress``), refreshed by the reads above only.
         self.progress_values: dict[str, float] = {}
         self._agree = HostAgreement()
         self._steps_since_read = 0

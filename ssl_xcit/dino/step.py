@@ -16,8 +16,8 @@ from ssl_xcit.dino.gram import check_gram_crops, gram_term
 from ssl_xcit.dino.ibot import MaskedPatches, masked_forward
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.loss import DINOLossOutput
-from ssl_xcit.dino.transfer import scalars_to_device
 from ssl_xcit.errors import UserError
+from ssl_xcit.utils.transfer import scalars_to_device
 
 NUM_GLOBAL_CROPS = 2
 
@@ -121,7 +121,7 @@ def compute_losses(
 def log_losses(module: LightningModule, stage: str, out: StepLosses) -> None:
     """The step's losses and collapse signals: device tensors, which Lightning reads when it writes. The
     training loss stays off Lightning's progress bar, whose values Lightning reads on every batch; DINO's bar
-    (``ssl_xcit.dino.progress``) shows the value read every ``sync_every_n_steps`` steps instead."""
+    (``ssl_xcit.trainer.progress``) shows the value read every ``sync_every_n_steps`` steps instead."""
     train = stage == "train"
     kw = dict(on_step=train, on_epoch=not train, sync_dist=not train, batch_size=out.batch_size)
     module.log(f"{stage}/loss", out.total.detach(), prog_bar=not train, **{**kw, "on_epoch": True})

@@ -61,7 +61,7 @@ trainer:
     - class_path: lightning.pytorch.loggers.CSVLogger
       init_args: {{save_dir: ., name: csv}}
   callbacks:
-    - class_path: ssl_xcit.dino.callbacks.OnlineKNN
+    - class_path: ssl_xcit.trainer.callbacks.OnlineKNN
       init_args: {{k: 3, evaluate_at_start: true}}
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{filename: "{{epoch:04d}}", every_n_epochs: 1, save_top_k: -1, save_last: true}}

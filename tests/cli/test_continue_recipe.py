@@ -14,9 +14,9 @@ import yaml
 from ssl_xcit.cli.train import main
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.dino.module import DINO
-from ssl_xcit.dino.rankme import RankMe
 from ssl_xcit.models import create_model
 from ssl_xcit.models.export import save_safetensors
+from ssl_xcit.trainer.rankme import RankMe
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "continue_dinov3.yaml"
 
@@ -28,7 +28,7 @@ def test_the_recipe_asks_for_what_dinov3_would_do_and_builds(image_folder):
     assert model["gram_teacher"] == "init_from" and model["gram_loss_weight"] > 0
     assert model["ibot_loss_weight"] > 0 and model["ibot_separate_head"]
     assert data["high_res_epochs"] > 0 and data["val_fraction"] > 0
-    assert "ssl_xcit.dino.rankme.RankMe" in [c["class_path"] for c in recipe["trainer"]["callbacks"]]
+    assert "ssl_xcit.trainer.rankme.RankMe" in [c["class_path"] for c in recipe["trainer"]["callbacks"]]
     # Every setting is one the classes take (the DINOv3 ViT swapped for one that builds today).
     built = DINO(**{**model, "backbone": "vit_tiny_patch16_224", "backbone_kwargs": {"depth": 1}})
     assert built.gram_teacher is not None and built.ibot

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.cli import quiet
 from ssl_xcit.cli.train import main, metrics_table
-from ssl_xcit.dino.callbacks import OnlineKNN
+from ssl_xcit.trainer.callbacks import OnlineKNN
 
 from .conftest import tiny_config
 

@@ -65,7 +65,7 @@ class FakeCollapseOnRank1(L.Callback):
 
 
 def collapse(world_size: int) -> dict:
-    from ssl_xcit.dino.collapse import CollapseGuard
+    from ssl_xcit.trainer.collapse import CollapseGuard
 
     model = build(collapse_guard="stop", collapse_patience=2, collapse_grace_steps=0)
     trainer = _trainer(world_size, [FakeCollapseOnRank1()])
@@ -151,7 +151,7 @@ class KNNData(L.LightningDataModule):
 
 
 def knn(world_size: int) -> dict:
-    from ssl_xcit.dino import callbacks
+    from ssl_xcit.trainer import callbacks
 
     model = build()
     embedded = []  # images per eval-mode teacher forward on this rank (the k-NN feature passes)

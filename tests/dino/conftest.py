@@ -80,7 +80,7 @@ def tiny_model(**overrides) -> DINO:
 
 
 def tiny_trainer(tmp_path, max_epochs: int = 2, callbacks=(), **kwargs) -> L.Trainer:
-    from ssl_xcit.dino.checkpointing import dino_checkpoints
+    from ssl_xcit.trainer.checkpointing import dino_checkpoints
 
     return L.Trainer(
         max_epochs=max_epochs,

@@ -149,7 +149,7 @@ def run(
     monitors on ``HeldOut``: all 7 images (ranks 0 and 1 embed 0-3 and 5-6) and 3 of them (0, 2 and 4: rank 1's
     only image is unreadable, so it sends zeros)."""
     from ssl_xcit.data.datasets import collate_train
-    from ssl_xcit.dino.rankme import RankMe
+    from ssl_xcit.trainer.rankme import RankMe
 
     if distill:
         model = build_distill(source_file(out_dir))

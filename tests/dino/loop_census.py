@@ -59,7 +59,11 @@ COLLECTIVES = (
 )  # fmt: skip
 # Collectives the step's math needs, by the file that calls them.
 # (torch.distributed.nn's differentiable all-reduce is synchronised BatchNorm's backward.)
-STEP_COLLECTIVES = ("ssl_xcit/dino/loss.py", "ssl_xcit/dino/syncbn.py", "torch/distributed/nn/functional.py")
+STEP_COLLECTIVES = (
+    "ssl_xcit/dino/loss.py",
+    "ssl_xcit/trainer/syncbn.py",
+    "torch/distributed/nn/functional.py",
+)
 # Frames that only wrap the real call site (torch's Python tensor methods, this file).
 _WRAPPERS = (
     "torch/_tensor.py", "torch/overrides.py", "torch/utils/_python_dispatch.py", "torch/_dynamo/eval_frame.py",
@@ -225,7 +229,7 @@ class LoopCensus:
         from lightning.pytorch.strategies.strategy import Strategy
         from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 
-        from ssl_xcit.dino.lifecycle import DINOLifecycle
+        from ssl_xcit.trainer.lifecycle import DINOLifecycle
 
         census, saved = self, []
 

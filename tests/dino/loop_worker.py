@@ -84,7 +84,7 @@ def run_skip(out: Path, world_size: int) -> dict:
 
 
 def _bn_grads(x: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
-    from ssl_xcit.dino.syncbn import AllReduceBatchNorm
+    from ssl_xcit.trainer.syncbn import AllReduceBatchNorm
 
     torch.manual_seed(3)
     bn = AllReduceBatchNorm(3)
@@ -120,8 +120,8 @@ def run_sigterm(out: Path) -> None:
     from conftest import RandomCrops, tiny_model
 
     from ssl_xcit.data.datasets import collate_train
-    from ssl_xcit.dino import sigterm_broadcast
-    from ssl_xcit.dino.preemption import PreemptionCheckpoint
+    from ssl_xcit.trainer import sigterm_broadcast
+    from ssl_xcit.trainer.preemption import PreemptionCheckpoint
 
     rank = int(os.environ["RANK"])
     callback = PreemptionCheckpoint()

@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader
 from ssl_xcit.dino.masked_bn import statistics_from_unmasked, weighted_batch_norm
 from ssl_xcit.dino.module import DINO
 from ssl_xcit.dino.schedules import dino_schedules, linear_warmup
-from ssl_xcit.dino.syncbn import convert_sync_batchnorm
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
+from ssl_xcit.trainer.syncbn import convert_sync_batchnorm
 
 
 def test_weighted_batch_norm_equals_batch_norm_on_the_kept_crops():

@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from ssl_xcit.dino.checkpointing import AtomicCheckpointIO
+from ssl_xcit.trainer.checkpointing import AtomicCheckpointIO
 
 
 def _fit(tiny, tmp_path, callbacks=(), ckpt_path=None, max_epochs=2, **model_kw):

@@ -121,8 +121,8 @@ def test_a_checkpoint_without_the_loaders_position_still_resumes(tmp_path):
 
 
 def test_dino_checkpoints_adds_the_step_checkpoint_of_the_recipes(tmp_path):
-    from ssl_xcit.dino.checkpointing import dino_checkpoints
     from ssl_xcit.errors import UserError
+    from ssl_xcit.trainer.checkpointing import dino_checkpoints
 
     for every_n_epochs in (1, 20):
         callbacks = dino_checkpoints(tmp_path, every_n_epochs=every_n_epochs, every_n_train_steps=500)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from ssl_xcit.dino.callbacks import OnlineKNN
 from ssl_xcit.evaluation.embed import embed_dataset
 from ssl_xcit.evaluation.features import FeatureConfig, extract_features
 from ssl_xcit.models import create_model
+from ssl_xcit.trainer.callbacks import OnlineKNN
 
 from .helpers import ARCH
 

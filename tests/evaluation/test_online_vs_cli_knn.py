@@ -10,8 +10,8 @@ import pytest
 
 from ssl_xcit.cli.knn import main as knn_main
 from ssl_xcit.data.datamodule import DINODataModule
-from ssl_xcit.dino.callbacks import OnlineKNN
 from ssl_xcit.dino.module import DINO
+from ssl_xcit.trainer.callbacks import OnlineKNN
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ def _modes(path) -> tuple[int, int]:
 
 
 def test_checkpoints(private, tmp_path):
-    from ssl_xcit.dino.checkpointing import AtomicCheckpointIO
+    from ssl_xcit.trainer.checkpointing import AtomicCheckpointIO
 
     path = tmp_path / "run" / "checkpoints" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"epoch": 0, "w": torch.ones(2)}, path)

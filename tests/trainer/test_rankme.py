@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from ssl_xcit.dino.rankme import RankMe, held_out_grams, rankme, rankme_from_gram
 from ssl_xcit.errors import UserError
+from ssl_xcit.trainer.rankme import RankMe, held_out_grams, rankme, rankme_from_gram
 
 
 def numpy_rankme(x: np.ndarray, eps: float = 1e-7) -> float:

@@ -13,7 +13,7 @@ import torch
 
 from ssl_xcit.data.datasets import collate_train
 from ssl_xcit.data.resumable import resumable_loader
-from ssl_xcit.dino.preemption import Preempted, PreemptionCheckpoint, slurm_job_id
+from ssl_xcit.trainer.preemption import Preempted, PreemptionCheckpoint, slurm_job_id
 
 
 class SignalAt(L.Callback):

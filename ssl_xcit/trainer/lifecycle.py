@@ -9,14 +9,14 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
-from ssl_xcit.dino.checkpointing import last_checkpoint
 from ssl_xcit.dino.gram import adapt_checkpoint_state, read_gram_source
 from ssl_xcit.dino.optim import build_optimizer, fused_by_default, get_params_groups
 from ssl_xcit.dino.optimizer_step import scaler_in_use
 from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
-from ssl_xcit.dino.step_checks import diverged
-from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
+from ssl_xcit.trainer.checkpointing import last_checkpoint
+from ssl_xcit.trainer.step_checks import diverged
+from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
 from ssl_xcit.utils.rng import capture_rng_states, gather_rng_states, own_rng_states, restore_rng_states
 
 
@@ -91,14 +91,14 @@ class DINOLifecycle(LightningModule):
         # Every checkpoint goes through an atomic write, however the Trainer was configured.
         from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-        from ssl_xcit.dino.checkpointing import AtomicCheckpointIO
+        from ssl_xcit.trainer.checkpointing import AtomicCheckpointIO
 
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
 
     def configure_callbacks(self) -> list:
-        from ssl_xcit.dino.collapse import CollapseGuard
+        from ssl_xcit.trainer.collapse import CollapseGuard
 
         hp = self.hparams
         guard = CollapseGuard(hp.collapse_guard, hp.collapse_patience, hp.collapse_grace_steps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 
-from ssl_xcit.dino import sigterm_broadcast
+from ssl_xcit.trainer import sigterm_broadcast
 
 
 def test_silence_replaces_the_loops_broadcast_and_restore_undoes_it():
@@ -37,7 +37,7 @@ def test_upstream_setting_is_used_where_lightning_has_it():
 def test_preemption_callback_silences_only_while_it_owns_sigterm(tmp_path):
     import signal
 
-    from ssl_xcit.dino.preemption import PreemptionCheckpoint
+    from ssl_xcit.trainer.preemption import PreemptionCheckpoint
 
     seen = {}
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ssl_xcit.dino.callbacks import OnlineKNN
+from ssl_xcit.trainer.callbacks import OnlineKNN
 
 
 class Points(Dataset):

@@ -12,8 +12,8 @@ import torch
 from fsspec import filesystem, register_implementation
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ssl_xcit.dino.checkpointing import AtomicCheckpointIO
 from ssl_xcit.errors import UserError
+from ssl_xcit.trainer.checkpointing import AtomicCheckpointIO
 
 
 class RecordingMemoryFS(MemoryFileSystem):

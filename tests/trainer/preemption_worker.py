@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from ssl_xcit.data.datasets import collate_train
 from ssl_xcit.data.resumable import resumable_loader
-from ssl_xcit.dino.preemption import Preempted, PreemptionCheckpoint
+from ssl_xcit.trainer.preemption import Preempted, PreemptionCheckpoint
 
 
 class SignalRank1(L.Callback):
