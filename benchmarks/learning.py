@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write the evaluated backbone (DINO's teacher, a distilled student) here (.pth)",
     )
     p.add_argument(
+        "--save-ckpt",
+        default=None,
+        help="also write the whole run as a Lightning checkpoint (.ckpt, heads included: a teacher for the "
+        "dino and dinov3 distillation objectives)",
+    )
+    p.add_argument(
         "--save-every-epoch",
         action="store_true",
         help="also write the teacher backbone after every epoch, as <save>_e<epoch>.pth (steps-versus-quality curves)",
@@ -277,6 +283,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # A plain state dict: `build_backbone(path)` infers the variant, so retrieval benchmarks can load it.
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
         torch.save(teacher_weights(model), args.save)
+    if args.save_ckpt:
+        Path(args.save_ckpt).parent.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(args.save_ckpt)
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
