@@ -14,9 +14,11 @@ trained on. k-NN is DINO's weighted vote (k 20, T 0.07) on the teacher backbone'
 datamodule's evaluation transform; raw pixels are the same eval-transformed images, flattened.
 
 ``--distill SOURCE`` trains the same student against a frozen teacher (``ssl_xcit.dino.distill.Distill``, the
-``features`` objective unless ``--set objective=dino``) with the same optimisation settings; the k-NN then judges
-the student, and each k-NN evaluation records the training seconds spent so far (k-NN time excluded), so runs can
-be compared at equal wall time as well as at equal steps.
+``features`` objective unless ``--set objective=dino`` or ``dinov3``) with the same optimisation settings; the
+k-NN then judges the distilled network (the student, or its EMA under ``dinov3``; ``knn_student`` is always the
+student), and each k-NN evaluation records the training seconds spent so far (k-NN time excluded), so runs can
+be compared at equal wall time as well as at equal steps. ``--save-ckpt`` writes the whole run (heads included),
+a teacher for the ``dino`` and ``dinov3`` objectives.
 
 Prints one table row per run and the collapse signals (teacher entropy and KL to uniform at the end); ``--json``
 appends the full result (settings, steps, wall time, k-NN history) to a JSON-lines file.
