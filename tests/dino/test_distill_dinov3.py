@@ -190,3 +190,30 @@ def test_dinov3_learns_a_fixed_batch(teacher_path):
         opt.step()
         losses.append(float(out.total.detach()))
     assert losses[-1] < 0.75 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_dinov3_resumes_exactly_with_its_student_ema(tmp_path, tiny, teacher_path):
+    """A run stopped after its epoch-1 checkpoint and resumed ends with the uninterrupted run's student and EMA."""
+
+    class StopAfterFirstEpoch(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            trainer.should_stop = True
+
+    def fit(folder, ckpt_path=None, stop=False):
+        torch.manual_seed(0)
+        model = Distill(teacher=teacher_path, objective="dinov3", momentum_teacher=0.9, **STUDENT)
+        trainer = tiny.trainer(
+            tmp_path / folder, max_epochs=2, callbacks=[StopAfterFirstEpoch()] if stop else []
+        )
+        trainer.fit(model, tiny.loader(n=8, shuffle=False), ckpt_path=ckpt_path)
+        return model, trainer
+
+    whole, _ = fit("whole")
+    fit("first", stop=True)
+    resumed, trainer = fit("resumed", ckpt_path=tmp_path / "first" / "ckpt" / "last.ckpt")
+    assert trainer.global_step == 4
+    for network in ("student", "student_ema"):
+        want = getattr(whole, network).state_dict()
+        for key, value in getattr(resumed, network).state_dict().items():
+            assert torch.equal(value, want[key]), (network, key)
