@@ -174,7 +174,7 @@ def test_dinov3_fit_the_student_ema_is_what_everything_reads(tmp_path, tiny, tea
 
 
 def test_dinov3_learns_a_fixed_batch(teacher_path):
-    """12 AdamW steps on one multi-crop batch lower the loss against the frozen teacher by a quarter."""
+    """8 AdamW steps on one multi-crop batch lower the loss against the frozen teacher by a quarter."""
     torch.manual_seed(0)
     model = Distill(teacher=teacher_path, objective="dinov3", **STUDENT)
     g = torch.Generator().manual_seed(2)
@@ -183,7 +183,7 @@ def test_dinov3_learns_a_fixed_batch(teacher_path):
     masks = MaskedPatches.from_host(np.random.default_rng(0).random((8, 4)) < 0.4)
     opt = torch.optim.AdamW([p for p in model.student.parameters() if p.requires_grad], lr=3e-3)
     losses = []
-    for _ in range(12):
+    for _ in range(8):
         out = model.compute_losses(crops, masks, 0, update_center=True)
         opt.zero_grad()
         out.total.backward()
