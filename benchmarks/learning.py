@@ -14,9 +14,11 @@ trained on. k-NN is DINO's weighted vote (k 20, T 0.07) on the teacher backbone'
 datamodule's evaluation transform; raw pixels are the same eval-transformed images, flattened.
 
 ``--distill SOURCE`` trains the same student against a frozen teacher (``ssl_xcit.dino.distill.Distill``, the
-``features`` objective unless ``--set objective=dino``) with the same optimisation settings; the k-NN then judges
-the student, and each k-NN evaluation records the training seconds spent so far (k-NN time excluded), so runs can
-be compared at equal wall time as well as at equal steps.
+``features`` objective unless ``--set objective=dino`` or ``dinov3``) with the same optimisation settings; the
+k-NN then judges the distilled network (the student, or its EMA under ``dinov3``; ``knn_student`` is always the
+student), and each k-NN evaluation records the training seconds spent so far (k-NN time excluded), so runs can
+be compared at equal wall time as well as at equal steps. ``--save-ckpt`` writes the whole run (heads included),
+a teacher for the ``dino`` and ``dinov3`` objectives.
 
 Prints one table row per run and the collapse signals (teacher entropy and KL to uniform at the end); ``--json``
 appends the full result (settings, steps, wall time, k-NN history) to a JSON-lines file.
@@ -96,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--save",
         default=None,
         help="write the evaluated backbone (DINO's teacher, a distilled student) here (.pth)",
+    )
+    p.add_argument(
+        "--save-ckpt",
+        default=None,
+        help="also write the whole run as a Lightning checkpoint (.ckpt, heads included: a teacher for the "
+        "dino and dinov3 distillation objectives)",
     )
     p.add_argument(
         "--save-every-epoch",
@@ -277,6 +285,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # A plain state dict: `build_backbone(path)` infers the variant, so retrieval benchmarks can load it.
         Path(args.save).parent.mkdir(parents=True, exist_ok=True)
         torch.save(teacher_weights(model), args.save)
+    if args.save_ckpt:
+        Path(args.save_ckpt).parent.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(args.save_ckpt)
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -23,17 +23,21 @@ from ssl_xcit.utils.io import atomic_torch_save, owner_only
 
 TEACHER_PREFIX = "teacher.backbone."
 STUDENT_PREFIX = "student.backbone."
+STUDENT_EMA_PREFIX = "student_ema.backbone."  # a dinov3 distillation's evaluated network
 
 
 def teacher_backbone_state(checkpoint: dict[str, Any], source: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """``teacher.backbone.*`` of a Lightning DINO checkpoint, prefix removed; ``student.backbone.*`` for a
-    distillation checkpoint (``ssl_xcit.dino.distill``), which saves no teacher: its frozen teacher is an input,
-    the student the product."""
+    """``teacher.backbone.*`` of a Lightning DINO checkpoint, prefix removed; for a distillation checkpoint
+    (``ssl_xcit.dino.distill``), which saves no teacher (its frozen teacher is an input), the product:
+    ``student_ema.backbone.*`` (the dinov3 objective) or else ``student.backbone.*``."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         keys = list(checkpoint)[:8] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise UserError(f"{source} is not a Lightning checkpoint (no 'state_dict'); top-level keys: {keys}")
-    prefix = TEACHER_PREFIX if any(k.startswith("teacher.") for k in state) else STUDENT_PREFIX
+    prefix = next(
+        (p for p in (TEACHER_PREFIX, STUDENT_EMA_PREFIX) if any(k.startswith(p) for k in state)),
+        STUDENT_PREFIX,
+    )
     out = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not out:
         prefixes = sorted({k.split(".")[0] for k in state})

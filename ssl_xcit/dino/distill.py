@@ -1,201 +1,66 @@
 """Distillation from a frozen teacher: ``ssl-xcit fit -c recipes/distill.yaml --model.teacher SOURCE``.
 
-The teacher is any SOURCE ``--model.init_from`` reads (a checkpoint or export of ours, an official DINO file) or
-``timm:NAME[@FILE]`` for any timm model whose ``forward_features`` gives a CLS token and patch tokens. It is
-frozen: eval mode whoever calls ``train()``, no gradients, and not saved in checkpoints (it is an input, read
-again from SOURCE when a run resumes), so every reader of a distillation checkpoint (``export``, ``knn``,
-``linear``, ``embed``, ``visualize``, ``--model.init_from``) takes the student. It may have another width, patch
-size and input resolution (``teacher_resolution``) than the student.
+The teacher (``ssl_xcit.dino.distill_teacher``) is any SOURCE ``--model.init_from`` reads (a checkpoint or
+export of ours, an official DINO file) or ``timm:NAME[@FILE]`` for a timm model whose ``forward_features`` gives
+patch tokens; its embedding is its CLS token, or its pooled embedding when it has no class token. It is frozen:
+eval mode whoever calls ``train()``, no gradients, and not saved in checkpoints (it is an input, read again from
+SOURCE when a run resumes), so every reader of a distillation checkpoint (``export``, ``knn``, ``linear``,
+``embed``, ``visualize``, ``--model.init_from``) takes the distilled network: the student, or its EMA under
+``dinov3``. It may have another width, patch size and input resolution (``teacher_resolution``) than the
+student.
 
-Two objectives:
+Three objectives:
 
-* ``dino``: DINOv2's distillation. The DINO loss (and iBOT's when ``ibot_loss_weight`` > 0) of the student
-  against the frozen teacher's own head outputs, centred (EMA centre or Sinkhorn-Knopp) and sharpened as DINO
-  does; the student's heads get the teacher's prototype counts. Needs a SOURCE with a DINO head.
-* ``features``: the student's CLS and patch tokens, each through a linear layer to the teacher's width,
-  regress the teacher's tokens of the same view with a mean squared error (lightly-train's distillation: MSE
-  between student and teacher features of the same image). The teacher's tokens are normalised per token over
-  the channels (a layer norm without affine), so the target scale is the same for every teacher; its patch grid
-  is resized bilinearly to the student's. Only the global crops take part (teacher and student must see the
-  same view); the student's embedding is its backbone's, as for DINO.
+* ``dinov3``: distillation as DINOv3 runs it (``multidist_meta_arch.py``, ``ssl_meta_arch.py`` with
+  ``distillation.enabled``). The DINO loss of all the student's crops (global and local) against the frozen
+  teacher's head outputs on the global crops, Sinkhorn-Knopp targets, KoLeo, and iBOT's term (with
+  ``ibot_loss_weight`` > 0) at the mask positions of an *unmasked* student: the masks only pick the patches
+  where the student's patch head is trained towards the teacher's. A student EMA (``ssl_xcit.dino.student_ema``,
+  momentum ``momentum_teacher`` -> 1 on a cosine; DINOv3: 0.994) is the network evaluated and exported.
+* ``dino``: DINOv2-style distillation, as this module had it first: the same losses, but the student's global
+  crops are masked for iBOT as in self-distillation, and the student itself is the product (no EMA).
+* ``features``: token regression (``ssl_xcit.dino.distill_features``); any teacher, global crops only.
 
 The teacher runs once per step, under ``no_grad``, on all global crops together (``benchmarks/bench_distill.py``
 measures its share of a step). Everything else is DINO's (``ssl_xcit.dino.module``): schedules, manual
 optimisation, clipping, mixed precision, resume, checkpoints, the finite-loss check and the online k-NN, which
-judges the student (``evaluated_network``). There is no EMA network.
+judges ``evaluated_network``. docs/training.md lists where this still differs from DINOv3.
 """
 
 from __future__ import annotations
 
-import math
-import re
+import copy
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor, nn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
 
-from ssl_xcit.dino.head import DINOHead
+from ssl_xcit.dino.distill_features import FeatureProjection, align_grid, features_loss, normalise_tokens
+from ssl_xcit.dino.distill_teacher import OPTION as _OPTION
+from ssl_xcit.dino.distill_teacher import FrozenTeacher, head_from_state, read_teacher
 from ssl_xcit.dino.ibot import MaskedPatches
-from ssl_xcit.dino.init_from import TIMM_PREFIX, read_source_file, timm_model, weights_from_checkpoint
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.module import DINO
 from ssl_xcit.dino.step import NUM_GLOBAL_CROPS, StepLosses
+from ssl_xcit.dino.student_ema import ema_update_
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.registry import as_backbone
 
-OBJECTIVES = ("dino", "features")
-_OPTION = "--model.teacher"
-
-
-# ------------------------------------------------------------------------------------------------- teacher
-def head_from_state(state: Mapping[str, Tensor]) -> DINOHead:
-    """A :class:`DINOHead` of the shape ``state`` (a DINO head's state dict) has, loaded with it."""
-    if "mlp.weight" in state:
-        linears = [state["mlp.weight"]]
-    else:
-        index = sorted(
-            int(m.group(1))
-            for k in state
-            if (m := re.fullmatch(r"mlp\.(\d+)\.weight", k)) and state[k].ndim == 2
-        )
-        linears = [state[f"mlp.{i}.weight"] for i in index]
-    if not linears or "last_layer.weight_v" not in state:
-        raise UserError(f"not a DINO head state (keys {sorted(state)[:6]})")
-    head = DINOHead(
-        in_dim=linears[0].shape[1],
-        out_dim=state["last_layer.weight_v"].shape[0],
-        use_bn=any(k.endswith("running_mean") for k in state),
-        nlayers=len(linears),
-        hidden_dim=linears[0].shape[0],
-        bottleneck_dim=linears[-1].shape[0],
-    )
-    head.load_state_dict(dict(state), strict=True)
-    return head
-
-
-class FrozenTeacher(nn.Module):
-    """The frozen teacher: a backbone (ours or timm's), the DINO and patch heads where SOURCE has them.
-
-    ``tokens(x)`` gives the final-norm CLS embedding (B, C) and the patch tokens on their grid (B, h, w, C').
-    It stays in eval mode (``train()`` is refused silently) and its parameters never require gradients."""
-
-    def __init__(
-        self,
-        backbone: nn.Module,
-        label: str,
-        head: nn.Module | None = None,
-        patch_head: nn.Module | None = None,
-        probe_size: int = 224,
-    ) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.label = label
-        self.head = head
-        self.patch_head = patch_head
-        self.is_ours = hasattr(backbone, "forward_cls_patches")
-        for p in self.parameters():
-            p.requires_grad_(False)
-        self.train(False)
-        with torch.no_grad():  # one probe: does it give tokens, and of which widths
-            cls, patches = self.tokens(torch.zeros(1, 3, probe_size, probe_size))
-        self.cls_dim, self.patch_dim = int(cls.shape[-1]), int(patches.shape[-1])
-
-    def train(self, mode: bool = True) -> FrozenTeacher:
-        return super().train(False)
-
-    def tokens(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        height, width = x.shape[-2:]
-        if self.is_ours:
-            cls, patches = self.backbone.forward_cls_patches(x)
-            grid = self.backbone.token_grid(height, width)
-        else:
-            out = self.backbone.forward_features(x)
-            if not isinstance(out, Tensor) or out.ndim != 3:
-                shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-                raise UserError(
-                    f"{_OPTION} {self.label}: its forward_features gives {shape}, not tokens (B, 1 + N, C): "
-                    "the teacher needs a CLS token and patch tokens (a ViT-like model)"
-                )
-            prefix = int(getattr(self.backbone, "num_prefix_tokens", 1))
-            cls, patches = out[:, 0], out[:, prefix:]
-            count = patches.shape[1]
-            rows = round(math.sqrt(count * height / width)) if count else 0
-            grid = (rows, count // rows) if rows and count % rows == 0 else (0, 0)
-        if grid[0] * grid[1] != patches.shape[1] or not patches.shape[1]:
-            raise UserError(
-                f"{_OPTION} {self.label}: its {patches.shape[1]} patch tokens of a {height}x{width} input do not "
-                "form a patch grid; the teacher needs a CLS token and one token per patch"
-            )
-        return cls, patches.reshape(patches.shape[0], grid[0], grid[1], patches.shape[-1])
-
-
-def _timm_teacher(spec: str) -> nn.Module:
-    """timm's model for ``timm:NAME[@FILE]``, headless; ViTs take any input size (``dynamic_img_size``)."""
-    try:
-        return timm_model(spec, _OPTION, num_classes=0, dynamic_img_size=True)
-    except TypeError:  # a family without the option (XCiT takes any size anyway)
-        return timm_model(spec, _OPTION, num_classes=0)
-
-
-def read_teacher(source: str | None) -> FrozenTeacher:
-    """The frozen teacher of SOURCE (see the module docstring); one-line ``UserError`` for a bad source."""
-    from ssl_xcit.models.checkpoint import backbone_from_checkpoint
-
-    source = "" if source is None else str(source).strip()
-    if not source:
-        raise UserError(f"{_OPTION} is required: a .ckpt, .safetensors or .pth, or timm:NAME[@FILE]")
-    if source.startswith(TIMM_PREFIX):
-        model = _timm_teacher(source[len(TIMM_PREFIX) :])
-        size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))[-1]
-        return FrozenTeacher(as_backbone(model, source[len(TIMM_PREFIX) :]), source, probe_size=int(size))
-    checkpoint = read_source_file(source, _OPTION)  # a one-line error for a missing or unreadable file
-    weights = weights_from_checkpoint(checkpoint, source)
-    try:
-        backbone = backbone_from_checkpoint(checkpoint, source)  # the file is read once, however large
-    except UserError as error:
-        raise UserError(f"{_OPTION} {source}: {error}") from error
-    heads = {
-        part: head_from_state(weights.teacher[part])
-        for part in ("head", "patch_head")
-        if part in weights.teacher
-    }
-    return FrozenTeacher(backbone, source, probe_size=4 * backbone.size_multiple, **heads)
-
-
-# ------------------------------------------------------------------------------------------------ features
-class FeatureProjection(nn.Module):
-    """The student's linear maps to the teacher's widths: CLS embedding and patch tokens."""
-
-    def __init__(self, cls_in: int, patch_in: int, cls_out: int, patch_out: int) -> None:
-        super().__init__()
-        self.cls_proj = nn.Linear(cls_in, cls_out)
-        self.patch_proj = nn.Linear(patch_in, patch_out)
-
-
-def normalise_tokens(tokens: Tensor) -> Tensor:
-    """Each token standardised over its channels (a layer norm without affine), in float32."""
-    return F.layer_norm(tokens.float(), tokens.shape[-1:])
-
-
-def align_grid(patches: Tensor, grid: tuple[int, int]) -> Tensor:
-    """Patch tokens (B, h, w, C) resized bilinearly to ``grid`` (B, h', w', C); unchanged when equal."""
-    if tuple(patches.shape[1:3]) == tuple(grid):
-        return patches
-    moved = F.interpolate(patches.permute(0, 3, 1, 2), size=grid, mode="bilinear", align_corners=False)
-    return moved.permute(0, 2, 3, 1)
-
-
-def features_loss(
-    student_cls: Tensor, student_patches: Tensor, teacher_cls: Tensor, teacher_patches: Tensor
-) -> tuple[Tensor, Tensor]:
-    """(CLS term, patch term): mean squared errors of the projected student CLS (B, C) and patches (B, N, C)
-    against the normalised teacher CLS and patches of the same shapes."""
-    cls = F.mse_loss(student_cls.float(), normalise_tokens(teacher_cls))
-    patch = F.mse_loss(student_patches.float(), normalise_tokens(teacher_patches))
-    return cls, patch
+OBJECTIVES = ("dino", "dinov3", "features")
+_HEADED = ("dino", "dinov3")  # the objectives that distil from the teacher's DINO head
+__all__ = [
+    "OBJECTIVES",
+    "Distill",
+    "FeatureProjection",
+    "FrozenTeacher",
+    "align_grid",
+    "features_loss",
+    "head_from_state",
+    "normalise_tokens",
+    "read_teacher",
+]
 
 
 # ---------------------------------------------------------------------------------------------- the module
@@ -205,21 +70,23 @@ class Distill(DINO):
     Args:
         teacher: SOURCE of the teacher: a ``.ckpt``, ``.safetensors`` or ``.pth`` of ours, an official DINO
             file, or ``timm:NAME[@FILE]``.
-        objective: ``dino`` (DINOv2's distillation against the teacher's head) or ``features`` (token
-            regression).
+        objective: ``dinov3`` (DINOv3's distillation: unmasked student, iBOT at the mask positions, the student
+            EMA evaluated and exported), ``dino`` (the same losses with a masked student and no EMA) or
+            ``features`` (token regression); see the module docstring.
         teacher_resolution: side of the square input the teacher sees; the global crops are resized to it
             (None: the global crop size, no resize).
         cls_weight, patch_weight: weights of the CLS and patch terms of the ``features`` objective.
         **kwargs: DINO's settings (student backbone, optimisation, schedules; ``out_dim`` and ``ibot_out_dim``
-            come from the teacher's heads under ``dino``).
+            come from the teacher's heads under ``dino`` and ``dinov3``; ``momentum_teacher`` is the student
+            EMA's starting momentum under ``dinov3``, raised to 1 on a cosine).
     """
 
-    evaluated_network = "student"  # the online k-NN judges the student
+    evaluated_network = "student"  # the online k-NN, export and knn read it (student_ema under dinov3)
 
     def __init__(
         self,
         teacher: str | None = None,
-        objective: Literal["dino", "features"] = "features",
+        objective: Literal["dino", "dinov3", "features"] = "features",
         teacher_resolution: int | None = None,
         cls_weight: float = 1.0,
         patch_weight: float = 1.0,
@@ -251,10 +118,10 @@ class Distill(DINO):
         with torch.random.fork_rng(devices=[]):
             frozen = read_teacher(teacher)
         ibot = float(kwargs.get("ibot_loss_weight", 0.0)) > 0
-        if objective == "dino":
+        if objective in _HEADED:
             if frozen.head is None:
                 raise UserError(
-                    f"{_OPTION} {teacher} has no DINO head, which the dino objective distils from: use "
+                    f"{_OPTION} {teacher} has no DINO head, which the {objective} objective distils from: use "
                     "--model.objective features, or a checkpoint of ours or an official full DINO checkpoint"
                 )
             if ibot and frozen.patch_head is None:
@@ -269,7 +136,8 @@ class Distill(DINO):
                 )
         elif ibot:
             raise UserError(
-                "ibot_loss_weight > 0 needs --model.objective dino (the features objective has no iBOT term)"
+                "ibot_loss_weight > 0 needs --model.objective dinov3 or dino (the features objective has no iBOT "
+                "term)"
             )
         super().__init__(**kwargs)
         self.student.head = (
@@ -283,10 +151,19 @@ class Distill(DINO):
             else self.student.head
         )
         self.teacher = frozen  # replaces DINO's EMA copy; never saved (state_dict) nor trained
+        if objective == "dinov3":  # DINOv3's model_ema: a copy of the student (backbone and heads)
+            mask_token = getattr(self.student.backbone, "mask_token", None)
+            if isinstance(mask_token, torch.nn.Parameter):  # an unmasked student never reads it (nor DDP)
+                mask_token.requires_grad_(False)
+            self.student_ema = copy.deepcopy(self.student)
+            self.student_ema.requires_grad_(False)
+            self.student_ema.train(False)
+            self.evaluated_network = "student_ema"
+        self._warned_no_local_crops = False
         rank_zero_info(
             f"distillation ({objective}) from {teacher}: teacher widths {frozen.cls_dim} (CLS) / "
             f"{frozen.patch_dim} (patches)"
-            + (f", {kwargs['out_dim']} prototypes" if objective == "dino" else "")
+            + (f", {kwargs['out_dim']} prototypes" if objective in _HEADED else "")
         )
 
     # ------------------------------------------------------------------------------ the frozen teacher
@@ -308,6 +185,8 @@ class Distill(DINO):
     def _set_training_modes(self) -> None:
         self.student.train(True)
         self.teacher.train(False)
+        if hasattr(self, "student_ema"):
+            self.student_ema.train(False)  # never run forward in training; evaluated in eval mode
 
     def configure_model(self) -> None:
         from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
@@ -322,17 +201,20 @@ class Distill(DINO):
 
     def configure_callbacks(self) -> list:
         # The collapse guard watches a teacher distribution, which the features objective has not.
-        return super().configure_callbacks() if self.hparams.objective == "dino" else []
+        return super().configure_callbacks() if self.hparams.objective in _HEADED else []
 
     def on_fit_start(self) -> None:
         pass  # no init_from: the student starts fresh, the teacher was read at construction
 
     def _update_teacher(self, momentum: float) -> None:
-        pass  # frozen: no EMA
+        # The teacher is frozen; under dinov3 the student EMA takes this step's momentum (DINO's schedule:
+        # momentum_teacher -> 1 on a cosine, DINOv3's 0.994 -> 1), after the optimiser step as DINOv3's.
+        if hasattr(self, "student_ema"):
+            ema_update_(self.student_ema, self.student, momentum)
 
     def forward(self, x: Tensor) -> Tensor:
-        """The student backbone's embedding (the distilled network)."""
-        return self.student.backbone(x)
+        """The distilled network's embedding: the student's backbone, or its EMA's under ``dinov3``."""
+        return getattr(self, self.evaluated_network).backbone(x)
 
     # --------------------------------------------------------------------------------------- the step
     def teacher_tokens(self, global_crops: Tensor) -> tuple[Tensor, Tensor]:
@@ -364,6 +246,8 @@ class Distill(DINO):
         teacher_cls, teacher_patches = self.teacher_tokens(global_crops)
         if self.hparams.objective == "features":
             return self._features_losses(global_crops, teacher_cls, teacher_patches, batch_size)
+        if self.hparams.objective == "dinov3" and len(crops) == NUM_GLOBAL_CROPS:
+            self._warn_no_local_crops()
         return self._dino_losses(crops, masks, teacher_cls, teacher_patches, epoch, update_center, batch_size)
 
     def _features_losses(
@@ -394,8 +278,11 @@ class Distill(DINO):
             teacher_output = self.teacher.head(teacher_cls)
         patch = None
         if masks is not None:
+            # dinov3: the student sees its global crops whole (DINOv3 passes no masks to a distilled
+            # student); the masks only choose where its patch head learns the teacher's. dino: masked.
+            student_masks = None if self.hparams.objective == "dinov3" else masks.masks
             student_output, embedding, student_tokens = self.student.forward_with_patches(
-                crops, masks.masks, n_global=NUM_GLOBAL_CROPS
+                crops, student_masks, n_global=NUM_GLOBAL_CROPS
             )
             grid = self.student.backbone.token_grid(*crops[0].shape[-2:])
             with torch.no_grad():
@@ -425,3 +312,10 @@ class Distill(DINO):
         else:
             koleo = sum(koleo_loss(view) for view in global_embedding.chunk(NUM_GLOBAL_CROPS))
         return total + weight * koleo, koleo
+
+    def _warn_no_local_crops(self) -> None:
+        if not self._warned_no_local_crops:
+            self._warned_no_local_crops = True
+            rank_zero_warn(
+                "the dinov3 objective gets no local crops: DINOv3 gives the student 8 (--data.local_crops_number 8)"
+            )

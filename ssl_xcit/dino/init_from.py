@@ -2,7 +2,10 @@
 
 SOURCE is one of
 
-* a checkpoint of ours (``.ckpt``): student, teacher, their DINO and patch heads and the loss centres;
+* a checkpoint of ours (``.ckpt``): student, teacher, their DINO and patch heads and the loss centres. A
+  distillation checkpoint (``ssl_xcit.dino.distill``) saves no teacher: its student EMA (``dinov3``) or else
+  its student stands for the teacher, and a ``features`` run's linear projections, not a DINO head, are left
+  out (the head starts fresh);
 * the official DINO full checkpoint (``{"student", "teacher", "dino_loss", ...}``, ``module.`` prefixes);
 * any backbone-only file :func:`ssl_xcit.models.checkpoint.load_pretrained` reads: ``ssl-xcit export``
   output (``.safetensors``, ``.pth``), DINO's ``*_pretrain.pth``, timm state dicts;
@@ -11,9 +14,13 @@ SOURCE is one of
 
 Student and teacher backbones start from SOURCE (each from its own side when SOURCE has both); the heads and
 the centres are loaded when SOURCE has them, so an official full checkpoint continues as its run would have.
+A head trained with ``norm_last_layer`` false (official ViT-S/XCiT runs: their ``args``; ours: the recorded
+hyperparameters) has a learnt weight norm, which a model with ``norm_last_layer`` true would keep frozen at the
+loaded values: that is refused in one line naming the setting.
 A head SOURCE lacks (the DINO head, iBOT's patch head, any other) starts fresh, and the backbone gets no
 update for the first ``head_warmup_steps`` optimiser steps (:func:`drop_backbone_gradients`): a random head's
-first gradients would otherwise move the pretrained backbone. Every tensor of the model must come from SOURCE except the fresh heads and iBOT's mask
+first gradients would otherwise move the pretrained backbone. Every tensor of the model must come from SOURCE
+except the fresh heads and iBOT's mask
 token (training-only, absent from released backbones); anything else that does not fit is refused in one line.
 
 This is not ``--ckpt_path``: the optimiser, the step and the schedules start fresh. The weights are loaded at
@@ -61,6 +68,7 @@ class InitWeights:
     student: dict[str, dict[str, Tensor]]
     teacher: dict[str, dict[str, Tensor]]
     centres: dict[str, Tensor] = field(default_factory=dict)
+    norm_last_layer: bool | None = None  # the heads' setting, where SOURCE records it
 
 
 def _strip(state: Mapping[str, Tensor], prefixes: tuple[str, ...] = ("module.", "_orig_mod.")) -> dict:
@@ -88,26 +96,52 @@ def _wrapper_parts(state: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
     return parts
 
 
+def _dino_heads_only(parts: dict[str, dict[str, Tensor]]) -> dict[str, dict[str, Tensor]]:
+    """``parts`` without a head that is not a DINO head (a ``features`` distillation's linear projections)."""
+    return {
+        part: state
+        for part, state in parts.items()
+        if part == "backbone" or any(k.startswith("last_layer.") for k in state)
+    }
+
+
+def _recorded_norm_last_layer(checkpoint: Mapping[str, Any]) -> bool | None:
+    """``norm_last_layer`` as SOURCE records it: our hyperparameters, or an official run's ``args``."""
+    hparams = checkpoint.get("hyper_parameters")
+    if isinstance(hparams, Mapping) and isinstance(hparams.get("norm_last_layer"), bool):
+        return hparams["norm_last_layer"]
+    args = checkpoint.get("args")
+    value = (
+        args.get("norm_last_layer") if isinstance(args, Mapping) else getattr(args, "norm_last_layer", None)
+    )
+    if isinstance(value, str):  # DINO's utils.bool_flag values, should a file hold the raw text
+        value = {"true": True, "false": False, "1": True, "0": False}.get(value.strip().lower())
+    return value if isinstance(value, bool) else None
+
+
 def weights_from_checkpoint(checkpoint: Mapping[str, Any], label: str) -> InitWeights:
     """Sort a loaded checkpoint into :class:`InitWeights` (see the module docstring for the layouts)."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
+    norm = _recorded_norm_last_layer(checkpoint) if isinstance(checkpoint, Mapping) else None
     if is_tensor_dict(state) and any(k.startswith("student.backbone.") for k in state):  # ours (Lightning)
-        # A distillation checkpoint (ssl_xcit.dino.distill) saves no teacher: its student stands for both.
-        has_teacher = any(k.startswith("teacher.") for k in state)
+        # A distillation checkpoint (ssl_xcit.dino.distill) saves no teacher: its student EMA (dinov3) or its
+        # student stands for it.
+        stand_in = next(
+            (s for s in ("teacher", "student_ema") if any(k.startswith(s + ".") for k in state)), "student"
+        )
         sides = {
-            side: _wrapper_parts(
-                {k[len(side) + 1 :]: v for k, v in state.items() if k.startswith(side + ".")}
+            side: _dino_heads_only(
+                _wrapper_parts({k[len(side) + 1 :]: v for k, v in state.items() if k.startswith(side + ".")})
             )
-            for side in ("student", "teacher" if has_teacher else "student")
+            for side in ("student", stand_in)
         }
-        sides.setdefault("teacher", sides["student"])
         centres = {k: v for k, v in state.items() if k in _CENTRES}
-        return InitWeights(label, sides["student"], sides["teacher"], centres)
+        return InitWeights(label, sides["student"], sides[stand_in], centres, norm)
     if all(is_tensor_dict(checkpoint.get(side)) for side in ("student", "teacher")):  # official DINO full
         loss = checkpoint.get("dino_loss")
         centres = {"dino_loss.center": loss["center"]} if is_tensor_dict(loss) and "center" in loss else {}
         student, teacher = (_wrapper_parts(checkpoint[side]) for side in ("student", "teacher"))
-        return InitWeights(label, student, teacher, centres)
+        return InitWeights(label, student, teacher, centres, norm)
     backbone, _ = extract_state_dict(checkpoint)  # one network (a teacher's, by preference) for both sides
     parts = _wrapper_parts(backbone)
     return InitWeights(label, dict(parts), dict(parts))
@@ -265,6 +299,7 @@ def apply_weights(module: Any, weights: InitWeights) -> dict[str, bool]:
     from SOURCE (``head``, ``patch_head``)."""
     plan: list[tuple[nn.Module, dict[str, Tensor]]] = []
     loaded = {"head": True, "patch_head": True}
+    _check_norm_last_layer(module, weights)
     for side in ("student", "teacher"):
         network = getattr(module, side)
         plan.append((network.backbone, _backbone_state(weights, side, module)))
@@ -295,6 +330,19 @@ def apply_weights(module: Any, weights: InitWeights) -> dict[str, bool]:
             centre.copy_(value)
     loaded["centres"] = bool(centres)
     return loaded
+
+
+def _check_norm_last_layer(module: Any, weights: InitWeights) -> None:
+    """A head with a learnt weight norm (norm_last_layer false) would stay frozen at its loaded norms in a
+    model whose norm_last_layer is true: refused, naming the setting. The other way round loads exactly (a
+    normed head's norms are 1) and the norms then train, as the model's setting asks."""
+    has_head = any(part in weights.student or part in weights.teacher for part in ("head", "patch_head"))
+    if has_head and weights.norm_last_layer is False and module.hparams.get("norm_last_layer", True):
+        raise UserError(
+            f"--model.init_from {weights.label}: its heads were trained with norm_last_layer false (a learnt "
+            "weight norm), the model has norm_last_layer true, which would freeze it: set --model.norm_last_layer "
+            "false to continue them, or start from its backbone alone (ssl-xcit export)"
+        )
 
 
 def check_init_settings(init_from: str | None, init_head_warmup_steps: int | None) -> None:

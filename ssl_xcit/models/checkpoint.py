@@ -161,8 +161,9 @@ def extract_state_dict(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Tensor]
             f"{', '.join(repr(c) for c in _CONTAINERS)}"
         )
     state = dict(state)
-    # A Lightning DINO checkpoint holds student and teacher side by side: keep the teacher.
-    for prefix in ("teacher.", "student."):
+    # A Lightning DINO checkpoint holds student and teacher side by side: keep the teacher. A distillation
+    # checkpoint has none: its student EMA (the dinov3 objective's evaluated network), else its student.
+    for prefix in ("teacher.", "student_ema.", "student."):
         if any(k.startswith(prefix) for k in state):
             state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             break

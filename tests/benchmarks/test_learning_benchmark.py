@@ -25,7 +25,7 @@ def test_learning_benchmark_reports_dino_random_init_and_pixels(tmp_path):
         "--set", "out_dim=32",
         "--set", "head_hidden_dim=16", "--set", "head_bottleneck_dim=8", "--set", "warmup_epochs=0",
         "--epochs", "1", "--workers", "0", "--json", str(out), "--tag", "tiny",
-        "--save", str(tmp_path / "teacher.pth"), "--save-every-epoch",
+        "--save", str(tmp_path / "teacher.pth"), "--save-every-epoch", "--save-ckpt", str(tmp_path / "run.ckpt"),
     ]))  # fmt: skip
     assert result["steps"] == 5  # 20 images / batch 4
     assert [h["step"] for h in result["knn_history"]] == [0, 5]  # random init, then the trained teacher
@@ -39,6 +39,11 @@ def test_learning_benchmark_reports_dino_random_init_and_pixels(tmp_path):
     for name in ("teacher.pth", "teacher_e1.pth"):
         backbone = build_backbone(tmp_path / name)
         assert (backbone.name, backbone.patch_size, len(backbone.blocks)) == ("vit_tiny_patch16_224", 8, 1)
+
+    # --save-ckpt: the whole run, heads included: a teacher for the dino and dinov3 distillation objectives.
+    from ssl_xcit.dino.distill import read_teacher
+
+    assert read_teacher(str(tmp_path / "run.ckpt")).head.last_layer.weight_v.shape[0] == 32
 
     # --distill: the same student against the frozen teacher just saved; the k-NN and --save take the student,
     # and every k-NN evaluation carries the training time spent before it (equal-wall-time comparisons).
