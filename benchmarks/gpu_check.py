@@ -5,7 +5,8 @@ bf16-true's teacher movement against 32-true's (DINO refuses bf16-true: the row 
 KoLeo's neighbours under bf16 autocast against float64's; compile on and off; iBOT on and off (and both on:
 compile must cover the masked pass); ``augment_on`` cpu and device; host syncs per step (``sync_count.py``),
 with the recipe's progress bar off and on; the throughput benchmark; with 2 or
-more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``). Rows with
+more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``); the invariant
+matrix's mixed-precision rows with the 16-mixed census (``gpu_check_matrix.py``). Rows with
 the same settings share one run; with 2 GPUs also DDP + compile and DDP with 2 accumulated micro-batches, each
 against its 1-process run. A row passes when its run ends with the steps asked for and finite weights
 and loss (and its own condition where it has one). Exit status 1 when any row fails.
@@ -399,6 +400,7 @@ SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
     "ddp": lambda c: [ddp_row(c)],
     "ddp_compile": lambda c: [ddp_row(c, "compile")],
     "ddp_accumulate": lambda c: [ddp_row(c, "accumulate")],
+    "matrix": lambda c: _load("gpu_check_matrix").matrix_rows(c),  # tests/invariants' CUDA rows
 }
 
 

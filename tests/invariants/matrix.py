@@ -28,7 +28,7 @@ WORKER = HERE / "matrix_worker.py"
 ROW_TIMEOUT_S = 150  # a row's 2-process runs take ~10-40 s on 2 shared cores (compiled rows the longest)
 
 
-def _launch(out: Path, rows: list[dict], world: int, accelerator: str) -> None:
+def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_process: bool = False) -> None:
     """The worker over ``rows``, in a fresh launch until each row has a result or has failed to give one:
     a rank that dies ends its launch (torchrun stops the other), and the rows after it run in the next."""
     fixtures = matrix_worker.dino_fixtures()
@@ -41,6 +41,8 @@ def _launch(out: Path, rows: list[dict], world: int, accelerator: str) -> None:
         try:
             if world > 1:
                 fixtures.torchrun(WORKER, *args, timeout=timeout)
+            elif in_process:  # saves a second import of torch and Lightning (the default suite's row)
+                matrix_worker.main(out, pending, 1, accelerator)
             else:
                 subprocess.run([sys.executable, str(WORKER), *args], check=True, timeout=timeout,
                                capture_output=True)  # fmt: skip
@@ -62,7 +64,7 @@ def run_matrix(
     out.mkdir(parents=True, exist_ok=True)
     for world in worlds:
         _launch(out, rows, world, accelerator)
-    return [matrix_checks.results_for(out, r, row_id(r), matrix_worker.WINDOWS) for r in rows]
+    return [matrix_checks.results_for(out, r, row_id(r), matrix_worker.WINDOWS, 2 in worlds) for r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=None, help="only the first N rows of the design")
     parser.add_argument("--only", default="", help="comma-separated row ids")
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 1], help="process counts to run (2 1)")
     parser.add_argument(
         "--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)"
     )
@@ -82,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = rows[: args.rows] if args.rows else rows
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_matrix(rows, args.out or Path(tmp), args.accelerator)
+        results = run_matrix(
+            rows, args.out or Path(tmp), args.accelerator, tuple(sorted(args.world, reverse=True))
+        )
     text = matrix_checks.table(rows, results, list(AXES))
     minutes = (time.perf_counter() - start) / 60
     print(text)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 from matrix_worker import accumulation_exact
@@ -100,33 +99,38 @@ def expected_steps(row: dict[str, str], windows: int) -> tuple[int, int]:
     return windows - (k == 1), 1
 
 
-def check_row(row: dict[str, str], two: list[dict], one: dict, windows: int) -> dict[str, tuple[str, str]]:
-    """Every column for one row: ``two`` the 2-process ranks' runs, ``one`` the 1-process runs."""
-    for runs in (*two, one):
+def check_row(
+    row: dict[str, str], two: list[dict] | None, one: dict, windows: int
+) -> dict[str, tuple[str, str]]:
+    """Every column for one row: ``two`` the 2-process ranks' runs (None: not run, one GPU), ``one`` the
+    1-process runs."""
+    for runs in (*(two or []), one):
         if "error" in runs:
             message = runs["error"]["error"].splitlines()[0][:120]
             return {c: (FAIL, message) for c in COLUMNS}
     rtol = TOLERANCE[row["precision"]]
     start = one["initial"]["state"]
-    full = [r["full"] for r in two]
-    result: dict[str, tuple[str, str]] = {}
-    result["ranks equal"] = _identical(full[0], full[1])
-    if row["objective"] in PER_RANK:
-        result["2 proc = 1 proc"] = (NA, PER_RANK[row["objective"]])
-    else:
-        result["2 proc = 1 proc"] = compare(full[0], one["single"], start, rtol)
+    full = [r["full"] for r in two] if two else []
+    result: dict[str, tuple[str, str]] = {c: (NA, "1 process only") for c in COLUMNS}
+    if two:
+        result["ranks equal"] = _identical(full[0], full[1])
+        if row["objective"] in PER_RANK:
+            result["2 proc = 1 proc"] = (NA, PER_RANK[row["objective"]])
+        else:
+            result["2 proc = 1 proc"] = compare(full[0], one["single"], start, rtol)
+        if any("resumed" not in r for r in two):
+            result["resume = uninterrupted"] = (FAIL, "no pre-emption checkpoint was written")
+        else:
+            checks = [_identical(r["resumed"], r["full"]) for r in two]
+            result["resume = uninterrupted"] = next((c for c in checks if c[0] == FAIL), checks[0])
     reason = accumulation_exact(row)
     if reason is not None:
         result["accumulation = concatenation"] = (NA, reason)
     else:
         result["accumulation = concatenation"] = compare(one["concat"], one["single"], start, rtol)
-    result["host reads"] = host_reads(full, ALLOWANCE[row["precision"]])
+    censused = [r for r in (*full, one["single"]) if r.get("census") is not None]
+    result["host reads"] = host_reads(censused, ALLOWANCE[row["precision"]])
     result["finite, moved, steps"] = finite_moved_steps(row, [*full, one["single"]], start, windows)
-    if any("resumed" not in r for r in two):
-        result["resume = uninterrupted"] = (FAIL, "no pre-emption checkpoint was written")
-    else:
-        checks = [_identical(r["resumed"], r["full"]) for r in two]
-        result["resume = uninterrupted"] = next((c for c in checks if c[0] == FAIL), checks[0])
     if "twin" in one:
         result["fused = foreach"] = compare(one["single"], one["twin"], start, rtol)
     else:
@@ -187,8 +191,8 @@ def missing(reason: str) -> dict[str, tuple[str, str]]:
     return {c: (FAIL, reason) for c in COLUMNS}
 
 
-def results_for(out: Path, row: dict[str, str], rid: str, windows: int) -> dict[str, Any]:
+def results_for(out: Path, row: dict[str, str], rid: str, windows: int, distributed: bool = True) -> dict:
     two, one = load_row(out, rid)
-    if one is None or any(r is None for r in two):
+    if one is None or (distributed and any(r is None for r in two)):
         return missing("no result (a hang or a crash: see the log)")
-    return check_row(row, two, one, windows)
+    return check_row(row, two if distributed else None, one, windows)

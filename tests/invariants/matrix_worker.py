@@ -173,11 +173,11 @@ def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool) -> A
 # ---------------------------------------------------------------------------------------------- trainer
 def precision_args(precision: str, accelerator: str) -> dict[str, Any]:
     """``16-mixed`` on the CPU needs its GradScaler given: Lightning otherwise runs bf16 with no scaler."""
-    if precision == "16-mixed" and accelerator == "cpu":
+    if precision == "16-mixed":
         from lightning.pytorch.plugins import MixedPrecision
 
-        scaler = torch.amp.GradScaler("cpu", init_scale=SCALER_INIT)
-        return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler)]}
+        scaler = torch.amp.GradScaler(accelerator, init_scale=SCALER_INIT)
+        return {"plugins": [MixedPrecision("16-mixed", accelerator, scaler)]}
     return {"precision": precision}
 
 
@@ -330,7 +330,9 @@ def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> 
                                       ckpt_path=Path(ckpt))  # fmt: skip
         else:
             runs["initial"] = {"state": initial_state(row, sources)}
-            runs["single"] = fit(row, folder / "single", 1, accelerator, sources, batch=MICRO * WORLD)
+            runs["single"] = fit(
+                row, folder / "single", 1, accelerator, sources, batch=MICRO * WORLD, census=True
+            )
             k = int(row["accumulate"])
             if accumulation_exact(row) is None:
                 concat = {**row, "accumulate": "1"}
