@@ -32,7 +32,8 @@ def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_proces
     """The worker over ``rows``, in a fresh launch until each row has a result or has failed to give one:
     a rank that dies ends its launch (torchrun stops the other), and the rows after it run in the next."""
     fixtures = matrix_worker.dino_fixtures()
-    pending = list(rows)
+    # Rows with a result under ``out`` already (an interrupted matrix run again into the same --out) are kept.
+    pending = [r for r in rows if not (out / row_id(r) / f"ws{world}_rank0.pt").exists()]
     while pending:
         spec = out / f"rows_ws{world}.json"
         spec.write_text(json.dumps(pending))
