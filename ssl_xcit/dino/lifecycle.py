@@ -52,6 +52,7 @@ class DINOLifecycle(LightningModule):
         self._set_training_modes()
         # A partial accumulation window must never leak into this epoch's first step.
         self.optimizers().zero_grad(set_to_none=True)
+        self._window_backwards = 0
 
     def on_train_epoch_end(self) -> None:
         self._read_finite()

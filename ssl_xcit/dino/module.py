@@ -17,31 +17,25 @@ One training step, top to bottom (``main_dino.py:train_one_epoch``):
 
 Manual optimisation, on purpose: the reference's order (clip -> cancel last layer -> step -> EMA with the
 momentum of *this* iteration) is explicit in ``training_step`` instead of being spread over hooks, the EMA
-runs once per real optimiser step, and ``global_step`` counts exactly those steps. Clipping and the
-last-layer freeze live in ``on_before_optimizer_step``, which Lightning's precision plugins call after the
-fp16 grad scaler has unscaled the gradients, so the clip threshold is in true gradient units.
+runs once per real optimiser step, and ``global_step`` counts exactly those steps. The window's end (gradient
+reduction, clip in true gradient units under fp16's scaler, step, EMA) is ``ssl_xcit.dino.optimizer_step``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import ParallelStrategy
 
 from ssl_xcit.data.datasets import EmptyBatch
 from ssl_xcit.dino.gram import build_gram_teacher
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
-from ssl_xcit.dino.init_from import check_init_settings, drop_backbone_gradients, head_warmup_steps
+from ssl_xcit.dino.init_from import check_init_settings
 from ssl_xcit.dino.lifecycle import DINOLifecycle
 from ssl_xcit.dino.loss import DINOLoss, TeacherTargets
 from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
-from ssl_xcit.dino.optim import (
-    cancel_gradients_last_layer,
-    clip_gradients,
-)
+from ssl_xcit.dino.optimizer_step import before_optimizer_step, ema_update, gradient_sync, window_step
 from ssl_xcit.dino.schedules import Schedules
 from ssl_xcit.dino.step import (
     NUM_GLOBAL_CROPS,
@@ -278,6 +272,7 @@ class DINO(DINOLifecycle):
         self.progress_values: dict[str, float] = {}
         self._agree = HostAgreement()
         self._steps_since_read = 0
+        self._window_backwards = 0  # micro-batches of the current window that ran a backward (host count)
         self._compiled = False
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
         self.init_state: dict[str, Any] | None = None  # init_from's record (ssl_xcit.dino.init_from)
@@ -316,8 +311,8 @@ class DINO(DINOLifecycle):
         crops = self._readable_crops(batch)
         if crops is None:  # every rank skips this batch
             self.skipped_batches += 1
-            if window_end:
-                self._optimizer_step(opt, momentum)
+            if window_end:  # no backward reduces what the window's readable micro-batches accumulated
+                self._optimizer_step(opt, momentum, reduce=self._window_backwards > 0)
             log_host_scalars(self, lr, wd, momentum)
             return None
         for i, group in enumerate(opt.param_groups):
@@ -330,8 +325,9 @@ class DINO(DINOLifecycle):
             masks = self.draw_masks(crops[0], seed)
         out = self.compute_losses(crops, masks, self.current_epoch, update_center=True)
         self._finite.observe(out.total, self.global_step)
-        with self._gradient_sync(window_end):
+        with gradient_sync(self.trainer, window_end):
             self.manual_backward(out.total / accumulate)
+        self._window_backwards += 1
         if window_end:
             self._optimizer_step(opt, momentum)
         log_losses(self, "train", out)
@@ -391,43 +387,20 @@ class DINO(DINOLifecycle):
             )
         return crops
 
-    def _gradient_sync(self, sync: bool) -> Any:
-        """Inside a window, DDP's gradient all-reduce waits for its last micro-batch: the gradients add up
-        locally (``no_sync``) and are reduced once, which gives the same average as k reductions."""
-        strategy = self.trainer.strategy
-        if sync or not isinstance(strategy, ParallelStrategy):
-            return contextlib.nullcontext()
-        return strategy.block_backward_sync()
-
     def _teacher_targets(self) -> list[TeacherTargets]:
         return [self.dino_loss, *([self.ibot_loss] if self.ibot else [])]
 
-    def _optimizer_step(self, opt: Any, momentum: float) -> None:
-        """The window's centre moves, then step (-> ``on_before_optimizer_step``: clipping, last-layer
-        freeze), clear, EMA. Neither step nor EMA when the window has no gradients (all its batches were
-        skipped)."""
-        for targets in self._teacher_targets():
-            targets.apply_center()
-        if all(p.grad is None for p in self.student.parameters()):
-            return
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        self._update_teacher(momentum)
+    def _optimizer_step(self, opt: Any, momentum: float, reduce: bool = False) -> None:
+        """The window's end (``ssl_xcit.dino.optimizer_step.window_step``): centres, step, EMA."""
+        window_step(self, opt, momentum, reduce and self.trainer.world_size > 1)
+        self._window_backwards = 0
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Called by the precision plugin after fp16 unscaling; order as in the reference: clip, then cancel.
-        if self.hparams.clip_grad:
-            clip_gradients(self.student, self.hparams.clip_grad)
-        cancel_gradients_last_layer(self.current_epoch, self.student, self.hparams.freeze_last_layer)
-        drop_backbone_gradients(self.student, self.global_step, head_warmup_steps(self))
+        # Called by the precision plugin; unscales where Lightning did not, then clip and cancel as the reference.
+        before_optimizer_step(self, optimizer)
 
-    @torch.no_grad()
     def _update_teacher(self, momentum: float) -> None:
-        """teacher <- m * teacher + (1 - m) * student, over parameters only (buffers are not averaged)."""
-        teacher_params = list(self.teacher.parameters())
-        student_params = [p.detach() for p in self.student.parameters()]
-        torch._foreach_mul_(teacher_params, momentum)
-        torch._foreach_add_(teacher_params, student_params, alpha=1.0 - momentum)
+        ema_update(self.teacher, self.student, momentum)
 
     # ----------------------------------------------------------------------------------------- validation
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:

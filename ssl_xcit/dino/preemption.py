@@ -158,12 +158,17 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install((signal.SIGTERM,))  # in case Lightning's connector could not be wrapped
-        # Ours now: Lightning's per-step SIGTERM check has nothing to find.
-        if signal.getsignal(signal.SIGTERM) == self._on_signal:
-            sigterm_broadcast.silence(trainer)
         # A signal that came before training (restore, sanity validation, the k-NN monitor's first pass) is
-        # acted on now, before the first window, rather than two windows into training. Once per fit.
-        signum = self._agree(blocking=True)
+        # acted on now, before the first window, rather than two windows into training. Once per fit. The
+        # same all-reduce decides whether SIGTERM is ours on every rank.
+        signum, owned_everywhere = self._agree_at_start(signal.getsignal(signal.SIGTERM) == self._on_signal)
+        if owned_everywhere:  # Lightning's per-step SIGTERM check has nothing to find on any rank
+            sigterm_broadcast.silence(trainer)
+        elif signal.getsignal(signal.SIGTERM) == self._on_signal:
+            rank_zero_warn(
+                "PreemptionCheckpoint: another rank could not install its SIGTERM handler, so Lightning's "
+                "per-step SIGTERM broadcast stays on every rank (one broadcasting alone would hang the run)"
+            )
         if signum:
             self._stop(trainer, signum)
 
@@ -210,6 +215,16 @@ class PreemptionCheckpoint(L.Callback):
         batches = trainer.num_training_batches
         full = int(batches) // accumulate * accumulate if batches != float("inf") else None
         return (batch_idx + 1) % accumulate == 0 or (full is not None and batch_idx >= full)
+
+    def _agree_at_start(self, owns: bool) -> tuple[int, bool]:
+        """(the signal any rank received, whether every rank owns SIGTERM), the same on every rank: the ranks
+        silence Lightning's per-step broadcast together or not at all. One blocking all-reduce (max)."""
+        if self._group is None:
+            return self.received, owns
+        vote = torch.tensor([self.received, int(not owns)], dtype=torch.int64)
+        torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        signum, someone_does_not = vote.tolist()  # CPU tensors: no device involved
+        return int(signum), not someone_does_not
 
     def _agree(self, blocking: bool) -> int:
         """The signal any rank received (the largest number), the same on every rank at the same point."""

@@ -10,6 +10,8 @@ it refuses CPU tensors once a process group exists, and on CUDA it reads the hos
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -17,11 +19,31 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the ranks whose backward is the sum of the incoming gradients over the ranks (the all-reduce's
+    adjoint). Ours, not the functional all-reduce's own formula: torch gained that only in late 2025, and
+    ``pyproject.toml`` allows torch 2.6, where the gradient through the global statistics would be dropped
+    with only a warning. ``compile`` traces a custom Function and the functional collectives inside it."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", dist.group.WORLD))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", dist.group.WORLD))
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Differentiable sum of ``tensor`` over every rank of the default group, on every allowed torch."""
+    return _AllReduceSum.apply(tensor)
+
+
 class AllReduceBatchNorm(_BatchNorm):
     """BatchNorm over the union of all processes' batches; any input rank (N, C, ...).
 
-    Gradients are exact: the functional all-reduce sums the incoming gradients of the reduced statistics
-    across processes in the backward pass, just as the forward sums the statistics.
+    Gradients are exact: the all-reduce's backward (:func:`all_reduce_sum`) sums the incoming gradients of the
+    reduced statistics across processes, just as the forward sums the statistics.
     Outside training, or without an initialised process group, it is a plain BatchNorm.
     """
 
@@ -41,9 +63,8 @@ class AllReduceBatchNorm(_BatchNorm):
         # The local count is made on the device (a fill from a Python number, no host-to-device copy).
         local_count = xf.new_full((1,), xf.numel() // max(channels, 1))
         stats = torch.cat([xf.sum(dims), (xf * xf).sum(dims), local_count])
-        # Functional all-reduce: differentiable (its backward sums the gradients over the ranks) and traced by
-        # `compile` without a graph break. `wait_tensor` makes it an ordinary tensor for what follows.
-        stats = funcol.wait_tensor(funcol.all_reduce(stats, "sum", dist.group.WORLD))
+        # Differentiable on every torch (its backward sums the gradients over the ranks), traced by `compile`.
+        stats = all_reduce_sum(stats)
         count = stats[-1]
         mean = stats[:channels] / count
         var = (stats[channels : 2 * channels] / count - mean * mean).clamp_min(0)

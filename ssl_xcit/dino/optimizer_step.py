@@ -1,0 +1,111 @@
+"""The end of a DINO accumulation window: gradient reduction, the reference's gradient surgery, the optimiser
+step and the teacher's EMA.
+
+- DDP reduces gradients once per window, in the backward of its closing micro-batch (``gradient_sync``). When
+  every rank skips that micro-batch (no readable image on some rank), no backward reduces what the window's
+  other micro-batches accumulated: :func:`reduce_local_gradients` does DDP's average explicitly, so the ranks
+  step on the same gradients, the ones the readable micro-batches give.
+- Under a GradScaler (``16-mixed``), the clip must see gradients in true units. Lightning unscales before
+  ``on_before_optimizer_step`` only for optimisers that do not unscale themselves; for fused AdamW/SGD
+  (``_step_supports_amp_scaling``) :func:`unscale_for_clip` does it. The fused step then takes GradScaler's
+  ``found_inf`` on the device and makes no host read, where a non-fused step reads it with ``.item()``
+  (docs/training.md, "Precision").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy
+from torch import nn
+
+from ssl_xcit.dino.init_from import drop_backbone_gradients, head_warmup_steps
+from ssl_xcit.dino.optim import cancel_gradients_last_layer, clip_gradients
+
+
+def gradient_sync(trainer: Any, sync: bool) -> Any:
+    """Inside a window, DDP's gradient all-reduce waits for its closing micro-batch: the gradients add up
+    locally (``no_sync``) and are reduced once, which gives the same average as k reductions."""
+    strategy = trainer.strategy
+    if sync or not isinstance(strategy, ParallelStrategy):
+        return contextlib.nullcontext()
+    return strategy.block_backward_sync()
+
+
+def _sum_all_ranks(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+
+@torch.no_grad()
+def reduce_local_gradients(
+    params: list[nn.Parameter],
+    world_size: int,
+    all_reduce: Callable[[torch.Tensor], None] = _sum_all_ranks,
+) -> None:
+    """Replace each gradient by its mean over the ``world_size`` ranks, as DDP's reduction would have. A
+    gradient that is None on some ranks counts as zero there; it stays None only where it is None on every
+    rank (so AdamW still skips it, weight decay included). One in-place ``all_reduce`` (sum) of one flat
+    buffer: the gradients, then one presence flag per parameter. Every rank must call it at the same point."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    ref = params[0]
+    parts = [p.grad.reshape(-1).float() if p.grad is not None else ref.new_zeros(p.numel(), dtype=torch.float32)
+             for p in params]  # fmt: skip
+    present = [float(p.grad is not None) for p in params]
+    flat = torch.cat([*parts, torch.tensor(present, dtype=torch.float32).to(ref.device)])
+    all_reduce(flat)
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    flags = flat[total:].tolist()  # a rare path (a skipped closing micro-batch): one host read is fine
+    for param, chunk, flag in zip(params, flat[:total].split(sizes), flags, strict=True):
+        if flag > 0:
+            param.grad = (chunk / world_size).view_as(param).to(param.dtype)
+
+
+def unscale_for_clip(trainer: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Unscale the gradients for the clip when Lightning did not: under a GradScaler, for an optimiser whose
+    step unscales itself (fused AdamW/SGD). The step then gets ``grad_scale=None`` and ``found_inf`` on the
+    device, and skips itself on an overflow as GradScaler would."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        scaler.unscale_(optimizer)
+
+
+def before_optimizer_step(module: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Order as in the reference: (unscale,) clip, then cancel the last layer's and the waiting backbone's
+    gradients."""
+    if module.hparams.clip_grad:
+        clip_gradients(module.student, module.hparams.clip_grad)
+    cancel_gradients_last_layer(module.current_epoch, module.student, module.hparams.freeze_last_layer)
+    drop_backbone_gradients(module.student, module.global_step, head_warmup_steps(module))
+
+
+def window_step(module: Any, opt: Any, momentum: float, reduce: bool) -> None:
+    """The window's centres move, the gradients are reduced when ``reduce`` (the window's closing micro-batch
+    was skipped on every rank after others had accumulated), then step (-> ``on_before_optimizer_step``),
+    clear, EMA. Neither step nor EMA when the window has no gradients (all its micro-batches were skipped)."""
+    for targets in module._teacher_targets():
+        targets.apply_center()
+    if reduce:
+        reduce_local_gradients(list(module.student.parameters()), module.trainer.world_size)
+    if all(p.grad is None for p in module.student.parameters()):
+        return
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    module._update_teacher(momentum)
+
+
+@torch.no_grad()
+def ema_update(teacher: nn.Module, student: nn.Module, momentum: float) -> None:
+    """teacher <- m * teacher + (1 - m) * student, over parameters only (buffers are not averaged)."""
+    teacher_params = list(teacher.parameters())
+    student_params = [p.detach() for p in student.parameters()]
+    torch._foreach_mul_(teacher_params, momentum)
+    torch._foreach_add_(teacher_params, student_params, alpha=1.0 - momentum)
