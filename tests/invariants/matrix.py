@@ -59,12 +59,13 @@ def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_proces
 
 
 def run_matrix(
-    rows: list[dict], out: Path, accelerator: str = "cpu", worlds: tuple[int, ...] = (2, 1)
+    rows: list[dict], out: Path, accelerator: str = "cpu", worlds: tuple[int, ...] = (2, 1), in_process: bool = False
 ) -> list:
-    """Every run of ``rows`` under ``out``; the per-row results of ``matrix_checks``."""
+    """Every run of ``rows`` under ``out``; the per-row results of ``matrix_checks``. ``in_process``: the
+    1-process runs in this process (rows without compile: dynamo's state would stay in it)."""
     out.mkdir(parents=True, exist_ok=True)
     for world in worlds:
-        _launch(out, rows, world, accelerator)
+        _launch(out, rows, world, accelerator, in_process)
     return [matrix_checks.results_for(out, r, row_id(r), matrix_worker.WINDOWS, 2 in worlds) for r in rows]
 
 

@@ -66,22 +66,27 @@ def ddp_worker() -> Any:
 
 
 # ------------------------------------------------------------------------------------------------- data
+def skipped_micro_batches(row: dict[str, str]) -> list[int]:
+    """The micro-batch indices (of the epoch) that every rank skips."""
+    k, where = int(row["accumulate"]), row["unreadable"]
+    first = SKIP_WINDOW * k
+    if where == "none":
+        return []
+    if where == "start":
+        return [first]
+    if where in ("end", "one_rank"):
+        return [first + k - 1]
+    return list(range(first, first + k))
+
+
 def positions(row: dict[str, str], world_size: int) -> set[int]:
     """Positions in the epoch's sample order whose images are unreadable. Position ``p`` goes to rank
     ``p % WORLD`` of the 2-process run (the sampler's interleave), and global micro-batch ``m`` is positions
     ``4m .. 4m + 3`` in both runs. A micro-batch one rank skips, every rank skips: the 1-process reference
     makes its whole global micro-batch unreadable."""
-    k = int(row["accumulate"])
-    where = row["unreadable"]
-    if where == "none":
-        return set()
-    first = SKIP_WINDOW * k
-    micro = {"start": [first], "end": [first + k - 1], "one_rank": [first + k - 1]}.get(
-        where, list(range(first, first + k))
-    )
     size = MICRO * WORLD
-    found = {m * size + j for m in micro for j in range(size)}
-    if where == "one_rank" and world_size > 1:
+    found = {m * size + j for m in skipped_micro_batches(row) for j in range(size)}
+    if row["unreadable"] == "one_rank" and world_size > 1:
         found = {p for p in found if p % WORLD == 1}
     return found
 
