@@ -59,7 +59,11 @@ def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_proces
 
 
 def run_matrix(
-    rows: list[dict], out: Path, accelerator: str = "cpu", worlds: tuple[int, ...] = (2, 1), in_process: bool = False
+    rows: list[dict],
+    out: Path,
+    accelerator: str = "cpu",
+    worlds: tuple[int, ...] = (2, 1),
+    in_process: bool = False,
 ) -> list:
     """Every run of ``rows`` under ``out``; the per-row results of ``matrix_checks``. ``in_process``: the
     1-process runs in this process (rows without compile: dynamo's state would stay in it)."""
