@@ -111,8 +111,26 @@ def build_optimizer(name: str, params_groups: list[dict], fused: bool = False) -
     if name == "adamw":
         return torch.optim.AdamW(params_groups, lr=0.0, fused=True if fused else None)
     if name == "sgd":
-        return torch.optim.SGD(params_groups, lr=0.0, momentum=0.9, fused=True if fused else None)
+        sgd = torch.optim.SGD(params_groups, lr=0.0, momentum=0.9, fused=True if fused else None)
+        if fused:
+            sgd.register_step_pre_hook(_late_momentum_buffers)
+        return sgd
     return LARS(params_groups)
+
+
+def _late_momentum_buffers(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Zero momentum buffers for the parameters that get their first gradient after the others did (the
+    backbone after ``init_from``'s head warm-up, the last layer after its freeze). torch's fused SGD creates
+    buffers only when none exists yet and refuses a mix; a zero buffer makes this step's buffer the gradient,
+    as the default SGD's first step for that parameter does."""
+    for group in optimizer.param_groups:
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        buffers = [optimizer.state.get(p, {}).get("momentum_buffer") for p in with_grad]
+        if group["momentum"] == 0 or all(b is None for b in buffers):
+            continue  # torch's own first step makes them all
+        for param, buffer in zip(with_grad, buffers, strict=True):
+            if buffer is None:
+                optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
 
 @torch.no_grad()
