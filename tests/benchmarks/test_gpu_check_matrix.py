@@ -10,7 +10,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check_matrix", REPO / "benchmarks" / "gpu_check_matrix.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_matrix", REPO / "benchmarks" / "gpu_check_matrix.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
