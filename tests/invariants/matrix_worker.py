@@ -239,9 +239,6 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
 
     if row["compile"] == "aot_eager":  # the graphs inductor would get, made on 2 CPU cores in seconds
         _aot_eager()
-        # Each fit compiles its own modules: without a reset, dynamo's recompile limit (8 per function) would
-        # send the later rows of a long launch to eager silently.
-        torch._dynamo.reset()
     fused = row["optimizer"] == "fused" if fused is None else fused
     model = build_model(row, sources, fused)
     rank = int(os.environ.get("RANK", "0"))
@@ -295,10 +292,17 @@ _COMPILE = torch.compile
 
 
 def _aot_eager() -> None:
+    """``torch.compile`` with the ``aot_eager`` backend. The fits of a launch share dynamo's cache (a new module
+    of a shape compiled before reuses its graphs: ~60 s of compile once, not per fit); the rows' models add
+    entries, so the recompile limit is raised, and reaching it fails the row instead of running it eager."""
+    import torch._dynamo
+
     def compile_aot_eager(fn=None, **kwargs):
         return _COMPILE(fn, **{**kwargs, "backend": "aot_eager"})
 
     torch.compile = compile_aot_eager
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def accumulation_exact(row: dict[str, str]) -> str | None:
