@@ -11,12 +11,17 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.dino.checkpointing import last_checkpoint
 from ssl_xcit.dino.gram import adapt_checkpoint_state, read_gram_source
-from ssl_xcit.dino.optim import build_optimizer, get_params_groups
+from ssl_xcit.dino.optim import build_optimizer, fused_by_default, get_params_groups
+from ssl_xcit.dino.optimizer_step import scaler_in_use
 from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
 from ssl_xcit.dino.step_checks import diverged
 from ssl_xcit.dino.syncbn import convert_sync_batchnorm, has_batchnorms
 from ssl_xcit.utils.rng import capture_rng_states, gather_rng_states, own_rng_states, restore_rng_states
+
+
+def _floats(pair: tuple[Any, Any] | None) -> tuple[float, float] | None:
+    return None if pair is None else (float(pair[0]), float(pair[1]))
 
 
 class DINOLifecycle(LightningModule):
@@ -94,8 +99,15 @@ class DINOLifecycle(LightningModule):
         return [guard]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        hp = self.hparams
-        return build_optimizer(hp.optimizer, get_params_groups(self.student), fused=hp.fused_optimizer)
+        hp, groups = self.hparams, get_params_groups(self.student)
+        fused = hp.fused_optimizer
+        if (
+            fused is None
+        ):  # automatic: fused under a GradScaler (16-mixed), where it saves a host read per step
+            fused = fused_by_default(
+                hp.optimizer, groups, self._trainer is not None and scaler_in_use(self.trainer)
+            )
+        return build_optimizer(hp.optimizer, groups, fused=fused)
 
     def _build_schedules(self) -> None:
         if self.schedules is not None:
@@ -141,6 +153,23 @@ class DINOLifecycle(LightningModule):
         if self._restored_progress is not None and self.trainer.state.fn != "fit":
             return self._restored_progress[1]
         return self.global_step
+
+    # The last step's collapse signals as floats, for callbacks and benchmarks: reading waits for the device.
+    @property
+    def last_collapse_signals(self) -> tuple[float, float] | None:
+        return _floats(self.signal_tensors.get("dino"))
+
+    @last_collapse_signals.setter
+    def last_collapse_signals(self, value: tuple[Any, Any]) -> None:
+        self.signal_tensors["dino"] = value
+
+    @property
+    def last_patch_collapse_signals(self) -> tuple[float, float] | None:
+        return _floats(self.signal_tensors.get("ibot"))
+
+    @last_patch_collapse_signals.setter
+    def last_patch_collapse_signals(self, value: tuple[Any, Any]) -> None:
+        self.signal_tensors["ibot"] = value
 
     # ------------------------------------------------------------------------------------- checkpointing
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -50,10 +50,6 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
 
 
-def _floats(pair: tuple[Any, Any] | None) -> tuple[float, float] | None:
-    return None if pair is None else (float(pair[0]), float(pair[1]))
-
-
 def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -89,8 +85,9 @@ class DINO(DINOLifecycle):
         clip_grad: per-parameter gradient-norm clip (0 disables); 3.0 in the reference.
         freeze_last_layer: epochs during which the head's last layer is not updated; stabilises the start.
         optimizer: ``adamw`` (reference default for transformers), ``sgd`` or ``lars`` (for ResNets).
-        fused_optimizer: torch's fused AdamW/SGD kernel (one launch for all parameters; on GPUs it is the
-            fastest update). Off by default because a device without fused kernels, or LARS, refuses it.
+        fused_optimizer: torch's fused AdamW/SGD kernel (one launch for all parameters). None (default): fused
+            under ``16-mixed``'s GradScaler where torch has the kernel (no host read per step), else torch's
+            default (docs/training.md); True refuses LARS or a device without fused kernels.
         scale_lr_with_batch: lr x total batch / 256 with total = per-device batch x devices x nodes x
             ``accumulate_grad_batches``, as in the reference.
         accumulate_grad_batches: batches per optimiser step. Manual optimisation does its own accumulation
@@ -178,7 +175,7 @@ class DINO(DINOLifecycle):
         clip_grad: float = 3.0,
         freeze_last_layer: int = 1,
         optimizer: Literal["adamw", "sgd", "lars"] = "adamw",
-        fused_optimizer: bool = False,
+        fused_optimizer: bool | None = None,
         scale_lr_with_batch: bool = True,
         accumulate_grad_batches: int = 1,
         sync_batchnorm: bool = True,
@@ -354,23 +351,6 @@ class DINO(DINOLifecycle):
         if gram is None or not gram.initialised:
             return 0.0
         return gram.weight_at(step) if self.schedules is None else self.schedules.gram_weight_at(step)
-
-    # The last step's collapse signals as floats, for callbacks and benchmarks: reading waits for the device.
-    @property
-    def last_collapse_signals(self) -> tuple[float, float] | None:
-        return _floats(self.signal_tensors.get("dino"))
-
-    @last_collapse_signals.setter
-    def last_collapse_signals(self, value: tuple[Any, Any]) -> None:
-        self.signal_tensors["dino"] = value
-
-    @property
-    def last_patch_collapse_signals(self) -> tuple[float, float] | None:
-        return _floats(self.signal_tensors.get("ibot"))
-
-    @last_patch_collapse_signals.setter
-    def last_patch_collapse_signals(self, value: tuple[Any, Any]) -> None:
-        self.signal_tensors["ibot"] = value
 
     def _readable_crops(self, batch: Any, skip_single_view: bool = False) -> list[torch.Tensor] | None:
         """The batch's crops, or None on every rank when any rank has no readable image (EmptyBatch or None)

@@ -97,6 +97,19 @@ def _check_fused(name: str, params_groups: list[dict]) -> None:
                 raise UserError(f"fused {name} needs floating-point parameters, got {param.dtype}")
 
 
+def fused_by_default(name: str, params_groups: list[dict], loss_scaled: bool) -> bool:
+    """``fused_optimizer``'s automatic choice: fused exactly when the loss is scaled (``16-mixed``) and torch
+    has a fused kernel for the optimiser and the parameters' device. Under a GradScaler only a fused step takes
+    ``found_inf`` on the device; a non-fused one reads it on the host every step (docs/training.md)."""
+    if not loss_scaled or name.lower() not in FUSED_OPTIMIZERS:
+        return False
+    try:
+        _check_fused(name.lower(), params_groups)
+    except UserError:
+        return False
+    return True
+
+
 def build_optimizer(name: str, params_groups: list[dict], fused: bool = False) -> torch.optim.Optimizer:
     """``adamw`` (default betas), ``sgd`` (momentum 0.9) or ``lars``. LR and weight decay start at 0 and are
     overwritten from the schedules before every step. ``fused=True`` uses torch's fused AdamW or SGD (one

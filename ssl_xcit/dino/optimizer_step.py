@@ -71,16 +71,21 @@ def unscale_for_clip(trainer: Any, optimizer: torch.optim.Optimizer) -> None:
     """Unscale the gradients for the clip when Lightning did not: under a GradScaler, for an optimiser whose
     step unscales itself (fused AdamW/SGD). The step then gets ``grad_scale=None`` and ``found_inf`` on the
     device, and skips itself on an overflow as GradScaler would."""
+    if scaler_in_use(trainer) and getattr(optimizer, "_step_supports_amp_scaling", False):
+        trainer.precision_plugin.scaler.unscale_(optimizer)
+
+
+def scaler_in_use(trainer: Any) -> bool:
+    """Whether ``trainer``'s precision plugin scales the loss (``16-mixed`` with a GradScaler)."""
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        scaler.unscale_(optimizer)
+    return scaler is not None and scaler.is_enabled()
 
 
 def before_optimizer_step(module: Any, optimizer: torch.optim.Optimizer) -> None:
     """Order as in the reference: (unscale,) clip, then cancel the last layer's and the waiting backbone's
     gradients."""
+    if module._trainer is not None:
+        unscale_for_clip(module._trainer, optimizer)
     if module.hparams.clip_grad:
         clip_gradients(module.student, module.hparams.clip_grad)
     cancel_gradients_last_layer(module.current_epoch, module.student, module.hparams.freeze_last_layer)
