@@ -29,8 +29,17 @@ PASS, FAIL, NA = "PASS", "FAIL", "n.a."
 #   summed over a layer and 4 steps the movement differs by well under 1e-2 (measured ~1e-3).
 # - bf16-mixed: the same with bfloat16's 8-bit significand (2^-8 ~ 3.9e-3 per rounding): 5e-2 (measured ~1e-2).
 TOLERANCE = {"32-true": 1e-4, "16-mixed": 1e-2, "bf16-mixed": 5e-2}
-# Host reads allowed per steady iteration of the epoch loop, by precision (docs/training.md: none).
-ALLOWANCE = {"32-true": 0, "16-mixed": 0, "bf16-mixed": 0}
+# Host reads allowed per steady iteration of the epoch loop: none (docs/training.md), except under 16-mixed with
+# a non-fused optimiser, chosen against the default: torch's GradScaler reads ``found_inf`` with ``.item()`` in
+# the step of an optimiser that does not unscale itself (one read per optimiser step). Under a GradScaler the
+# toolkit's default is the fused step (``ssl_xcit.dino.optim.fused_by_default``), which takes it on the device.
+ALLOWANCE = {("16-mixed", "foreach"): 1}
+
+
+def allowance(row: dict[str, str]) -> int:
+    return ALLOWANCE.get((row["precision"], row["optimizer"]), 0)
+
+
 CENSUS_WARMUP = 2  # first iterations: optimiser state, schedules and (compiled) graphs are made there
 # Objectives whose 2-process run differs from the 1-process one by design: KoLeo's nearest neighbours are
 # searched within each rank's batch (as DINOv2), iBOT's masks are drawn per rank (seeded by the rank).
@@ -129,7 +138,7 @@ def check_row(
     else:
         result["accumulation = concatenation"] = compare(one["concat"], one["single"], start, rtol)
     censused = [r for r in (*full, one["single"]) if r.get("census") is not None]
-    result["host reads"] = host_reads(censused, ALLOWANCE[row["precision"]], skipped_micro_batches(row))
+    result["host reads"] = host_reads(censused, allowance(row), skipped_micro_batches(row))
     result["finite, moved, steps"] = finite_moved_steps(row, [*full, one["single"]], start, windows)
     if "twin" in one:
         result["fused = foreach"] = compare(one["single"], one["twin"], start, rtol)
