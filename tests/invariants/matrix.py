@@ -25,7 +25,7 @@ import matrix_worker  # noqa: E402
 from matrix_options import AXES, pairwise, row_id  # noqa: E402
 
 WORKER = HERE / "matrix_worker.py"
-ROW_TIMEOUT_S = 150  # a row's 2-process runs take ~10-40 s on 2 shared cores (compiled rows the longest)
+ROW_TIMEOUT_S = 240  # a row's 2-process runs: 10-90 s on 2 cores shared with others (compiled rows the longest)
 
 
 def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_process: bool = False) -> None:
