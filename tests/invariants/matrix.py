@@ -25,7 +25,9 @@ import matrix_worker  # noqa: E402
 from matrix_options import AXES, pairwise, row_id  # noqa: E402
 
 WORKER = HERE / "matrix_worker.py"
-ROW_TIMEOUT_S = 240  # a row's 2-process runs: 10-90 s on 2 cores shared with others (compiled rows the longest)
+ROW_TIMEOUT_S = (
+    240  # a row's 2-process runs: 10-90 s on 2 cores shared with others (compiled rows the longest)
+)
 
 
 def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_process: bool = False) -> None:
@@ -80,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated row ids")
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--world", type=int, nargs="+", default=[2, 1], help="process counts to run (2 1)")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="keep the runs here (default: a temporary folder)"
-    )
+    parser.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument("--check-only", action="store_true", help="check the runs under --out, run none")
     args = parser.parse_args(argv)
     rows = pairwise(AXES)
     if args.only:
@@ -91,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = rows[: args.rows] if args.rows else rows
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_matrix(
-            rows, args.out or Path(tmp), args.accelerator, tuple(sorted(args.world, reverse=True))
-        )
+        out, worlds = args.out or Path(tmp), tuple(sorted(args.world, reverse=True))
+        if args.check_only:
+            windows = matrix_worker.WINDOWS
+            results = [matrix_checks.results_for(out, r, row_id(r), windows, 2 in worlds) for r in rows]
+        else:
+            results = run_matrix(rows, out, args.accelerator, worlds)
     text = matrix_checks.table(rows, results, list(AXES))
     minutes = (time.perf_counter() - start) / 60
     print(text)
