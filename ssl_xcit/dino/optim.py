@@ -132,17 +132,16 @@ def build_optimizer(name: str, params_groups: list[dict], fused: bool = False) -
 
 
 def _late_momentum_buffers(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Zero momentum buffers for the parameters that get their first gradient after the others did (the
-    backbone after ``init_from``'s head warm-up, the last layer after its freeze). torch's fused SGD creates
-    buffers only when none exists yet and refuses a mix; a zero buffer makes this step's buffer the gradient,
-    as the default SGD's first step for that parameter does."""
+    """Zero momentum buffers, before the step, for the parameters with a gradient and none yet. torch's fused
+    SGD makes them itself only when no parameter has one, and refuses a mix (the backbone after ``init_from``'s
+    head warm-up, the last layer after its freeze); and it makes them with ``empty_like``, which a first step
+    skipped on a GradScaler overflow leaves uninitialised for every later step. With a zero buffer this step's
+    buffer is the gradient, as the default SGD's first step makes it, and a skipped step leaves zeros."""
     for group in optimizer.param_groups:
-        with_grad = [p for p in group["params"] if p.grad is not None]
-        buffers = [optimizer.state.get(p, {}).get("momentum_buffer") for p in with_grad]
-        if group["momentum"] == 0 or all(b is None for b in buffers):
-            continue  # torch's own first step makes them all
-        for param, buffer in zip(with_grad, buffers, strict=True):
-            if buffer is None:
+        if group["momentum"] == 0:
+            continue
+        for param in group["params"]:
+            if param.grad is not None and optimizer.state.get(param, {}).get("momentum_buffer") is None:
                 optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
 

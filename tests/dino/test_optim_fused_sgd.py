@@ -26,3 +26,27 @@ def test_fused_sgd_steps_a_parameter_whose_first_gradient_comes_late_as_torch_de
     fused, reference = _train(True), _train(False)
     for ours, theirs in zip(fused, reference, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_a_first_fused_sgd_step_skipped_on_overflow_leaves_no_uninitialised_momentum(monkeypatch):
+    """Under a GradScaler a first step whose gradients overflow is skipped. torch's fused SGD made its momentum
+    buffers with ``empty_like`` before the kernel and kept them when the kernel skipped: uninitialised memory
+    (NaN here, to make it visible) became the momentum of every later step."""
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(
+        torch, "empty_like", lambda t, **kw: torch.full_like(real_empty_like(t, **kw), float("nan"))
+    )
+
+    def train(fused: bool) -> torch.Tensor:
+        param = torch.nn.Parameter(torch.ones(3))
+        opt = build_optimizer("sgd", [{"params": [param]}], fused=fused)
+        opt.param_groups[0]["lr"] = 0.1
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        for grad in (float("inf"), 1.0, 2.0):  # the first step overflows and is skipped
+            scaler.scale(torch.ones(()))  # (the loss's scaling makes the scale)
+            param.grad = torch.full_like(param, grad * scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+        return param.detach()
+
+    torch.testing.assert_close(train(True), train(False), rtol=1e-6, atol=1e-7)
