@@ -4,9 +4,9 @@ Rows: the quickstart (``ssl-xcit fit -c recipes/quickstart.yaml``, short) in 16-
 bf16-true's teacher movement against 32-true's (DINO refuses bf16-true: the row passes on the refusal);
 KoLeo's neighbours under bf16 autocast against float64's; compile on and off; iBOT on and off (and both on:
 compile must cover the masked pass); ``augment_on`` cpu and device; host syncs per step (``sync_count.py``),
-with the recipe's progress bar off and on; the throughput benchmark; with 2 or
-more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``); the invariant
-matrix's mixed-precision rows with the 16-mixed census (``gpu_check_matrix.py``). Rows with
+with the recipe's progress bar off and on, and under 16-mixed with the toolkit's default optimiser for it;
+the throughput benchmark; the invariant matrix's CUDA rows (``MATRIX_ROWS``: ``gpu_check_matrix.py``); with 2 or
+more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``). Rows with
 the same settings share one run; with 2 GPUs also DDP + compile and DDP with 2 accumulated micro-batches, each
 against its 1-process run. A row passes when its run ends with the steps asked for and finite weights
 and loss (and its own condition where it has one). Exit status 1 when any row fails.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import inspect
 import math
 import os
 import socket
@@ -31,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,61 +150,10 @@ def _named(row: Row, name: str, setting: str) -> Row:
     return Row(name, setting, row.result, row.status)
 
 
-def _recipe_progress_bar():
-    """The progress bar the quickstart recipe names (its ``callbacks`` entry), made with its arguments."""
-    import importlib
-
-    import yaml
-
-    for entry in yaml.safe_load(RECIPE.read_text())["trainer"]["callbacks"]:
-        if "ProgressBar" in entry["class_path"]:
-            module, name = entry["class_path"].rsplit(".", 1)
-            return getattr(importlib.import_module(module), name)(**(entry.get("init_args") or {}))
-    raise ValueError(f"{RECIPE.name} names no progress bar")
-
-
-def sync_row(check: Check, progress_bar: bool = False) -> Row:
-    """Host syncs per step of the quickstart's model and data, after 2 warm-up steps. Passes when at most one
-    step in ``k`` syncs, ``k`` being the logging interval (and ``sync_every_n_steps`` where DINO has it). With
-    ``progress_bar``, the recipe's bar is on (the other row turns it off, as the throughput benchmark does)."""
-    import lightning as L
-    from lightning.pytorch.loggers import CSVLogger
-
-    from ssl_xcit.data.datamodule import DINODataModule
-    from ssl_xcit.dino.module import DINO
-
-    counter = _load("sync_count").SyncCounter(skip=2)
-    k, measured = 4, 4 if check.dry else 12
-    model_kw, data_kw = _quickstart_kwargs(check)
-    setting = f"after 2 steps, {measured} steps, logging every {k}"
-    bar = _recipe_progress_bar() if progress_bar else None
-    if "sync_every_n_steps" in inspect.signature(DINO).parameters:  # only where the module has the setting
-        model_kw = {**model_kw, "sync_every_n_steps": k}
-        setting += f", sync_every_n_steps {k}"
-    if bar is not None:
-        setting += f", {type(bar).__name__}"
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator=check.accelerator, devices=1, precision=check.base_precision, max_epochs=1,
-        limit_train_batches=2 + measured + 1, limit_val_batches=0, num_sanity_val_steps=0,
-        logger=CSVLogger(check.tmp / "sync_logs"), log_every_n_steps=k, enable_checkpointing=False,
-        enable_progress_bar=bar is not None, enable_model_summary=False,
-        callbacks=[counter] if bar is None else [counter, bar],
-    )  # fmt: skip
-    trainer.fit(DINO(**{**model_kw, "collapse_guard": "off"}), DINODataModule(**data_kw))
-    name = "host syncs per step" + (" (progress bar on)" if bar is not None else "")
-    steps = counter.per_step[:measured]
-    syncing = sum(n > 0 for n in steps)
-    allowed = math.ceil(len(steps) / k)
-    ops = ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in sorted(counter.ops.items()))
-    result = f"{sum(steps)} syncs in {len(steps)} steps, {syncing} steps sync (allowed {allowed})"
-    result += f"; {counter.method}" + (f": {ops}" if ops else "")
-    if check.dry:  # nothing waits on a CPU: the proxy's count includes host-side tensors, an upper bound only
-        per_step = sum(steps) / max(len(steps), 1)
-        result = f"n/a on a CPU (CPU proxy, host-side tensors included: {per_step:.0f} per step)"
-        return Row(name, setting, result, "skip" if len(steps) == measured else "fail")
-    ok = len(steps) == measured and syncing <= allowed
-    return Row(name, setting, result, "pass" if ok else "fail")
+def sync_row(check: Check, progress_bar: bool = False, precision: str | None = None) -> Row:
+    """Host syncs per step of the quickstart (``gpu_check_sync.py`` describes the row)."""
+    host = types.SimpleNamespace(**globals())  # this script's Row, RECIPE and helpers, however it was loaded
+    return _load("gpu_check_sync").sync_row(host, check, progress_bar, precision)
 
 
 def _quickstart_kwargs(check: Check) -> tuple[dict, dict]:
@@ -389,6 +338,14 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def matrix_rows(check: Check) -> list[Row]:
+    """The invariant matrix's CUDA subset (NCCL with 2 or more GPUs): each function in ``MATRIX_ROWS`` takes the
+    ``Check`` and returns its rows (``gpu_check_matrix.py``: tests/invariants' mixed-precision rows)."""
+    return [row for make in MATRIX_ROWS for row in make(check)]
+
+
+MATRIX_ROWS: list[Callable[[Check], list[Row]]] = [lambda c: _load("gpu_check_matrix").matrix_rows(c)]
+
 SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
     "precision": precision_rows,
     "compile": lambda c: option_rows(c, "compile"),
@@ -396,11 +353,12 @@ SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
     "augment": lambda c: option_rows(c, "augment_on"),
     "numerics": lambda c: [teacher_row(c), koleo_row(c)],
     "sync": lambda c: [sync_row(c), sync_row(c, progress_bar=True)],
+    "sync_fp16": lambda c: [sync_row(c, precision="16-mixed")],
     "throughput": lambda c: [throughput_row(c)],
     "ddp": lambda c: [ddp_row(c)],
     "ddp_compile": lambda c: [ddp_row(c, "compile")],
     "ddp_accumulate": lambda c: [ddp_row(c, "accumulate")],
-    "matrix": lambda c: _load("gpu_check_matrix").matrix_rows(c),  # tests/invariants' CUDA rows
+    "matrix": matrix_rows,
 }
 
 

@@ -263,10 +263,9 @@ def decode_batch(batch: CropBatch, device: torch.device) -> torch.Tensor:
     if not batch.encoded:
         return batch.images
     if device.type == "cuda":
-        # nvJPEG decodes on a private stream: without this, it was seen to overwrite memory the current
-        # stream was still reading (pytorch/vision PR 9606, meta-pytorch/torchcodec PR 1634).
-        torch.cuda.current_stream(device).synchronize()
-    decoded, refused = _decode_on(batch.encoded, device)
+        decoded, refused = _decode_on_side_stream(batch.encoded, device)
+    else:
+        decoded, refused = _decode_on(batch.encoded, device)
     batch.fallbacks += refused
     height = max(h for h, _ in batch.sizes)
     width = max(w for _, w in batch.sizes)
@@ -282,6 +281,31 @@ def decode_batch(batch: CropBatch, device: torch.device) -> torch.Tensor:
     for i, image in enumerate(decoded):
         pad_into(out, done + i, image)
     return out
+
+
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _decode_on_side_stream(
+    encoded: list[torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], int]:
+    """:func:`_decode_on` on a stream of our own, ordered on the device after what the current stream queued.
+    nvJPEG decodes on a private stream and was seen to overwrite memory the current stream was still reading
+    (pytorch/vision PR 9606, meta-pytorch/torchcodec PR 1634). The decoder's outputs are allocated on the side
+    stream, whose memory the current stream never used; the side stream waits for the current one with a
+    device-side event wait instead of the host waiting for the whole stream, and the current stream waits for
+    the decode the same way. ``record_stream`` keeps each image's memory until the current stream is done."""
+    current = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        decoded, refused = _decode_on(encoded, device)
+    current.wait_stream(side)
+    for image in decoded:
+        image.record_stream(current)
+    return decoded, refused
 
 
 def _decode_on(encoded: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], int]:

@@ -10,7 +10,7 @@ DINO has two failure modes that its loss hides (the loss of a collapsed run is f
 A healthy teacher is confident per sample (entropy well below ln K) and spread over the batch (KL well below
 ln K). The guard watches both signals of every training step and reports a mode only once it has held for
 ``patience`` consecutive steps after ``grace_steps`` (a random-init teacher starts near uniform). The signals
-stay on the device; the guard reads the steps gathered so far every ``read_every`` batches (DINO's
+stay on the device; the guard reads the steps gathered so far every ``read_every`` optimiser steps (DINO's
 ``sync_every_n_steps``) and at each epoch's end, so a collapse is reported (and a run stopped) up to that many
 steps late, with the step where it reached its patience.
 
@@ -116,8 +116,10 @@ class CollapseGuard(Callback):
         terms = _terms(pl_module)
         if self.action == "off" or not terms or trainer.global_step < self.grace_steps:
             return
+        if not getattr(pl_module, "window_closed", True):
+            return  # inside an accumulation window: one entry per optimiser step, as DINO's reads count them
         # The signals stay on the device (stacking them queues a kernel); the host reads the steps gathered
-        # so far every `read_every` batches, so the GPU queue is not drained after every step.
+        # so far every `read_every` optimiser steps, so the GPU queue is not drained after every step.
         flat = [torch.as_tensor(v, dtype=torch.float32) for _, signals, _ in terms for v in signals]
         self._pending.append((trainer.global_step, torch.stack([v.to(flat[0].device) for v in flat])))
         if len(self._pending) >= self.read_every:

@@ -139,10 +139,10 @@ class DINO(DINOLifecycle):
             high-resolution Gram teacher; 1 (default) costs no extra compute.
         gram_remove_negative: count negative similarities as 0 on both sides (DINOv3's ``remove_neg``; off, as in
             its 7B config).
-        sync_every_n_steps: steps between the host's reads of the device (the finite-loss check, the
-            collapse guard's signals), as Lightning's ``log_every_n_steps`` (50) reads the logged values. Each
-            read waits for the GPU queue to drain; a non-finite loss is then reported (and a collapse seen) up
-            to this many steps late, but never saved: a checkpoint is written only after a read.
+        sync_every_n_steps: optimiser steps (accumulation windows, not micro-batches) between the host's reads
+            of the device (the finite-loss check, the collapse guard's signals). Each read waits for the GPU
+            queue to drain; a non-finite loss is then reported (and a collapse seen) up to this many steps
+            late, but never saved: a checkpoint is written only after a read (docs/training.md).
         init_from: start a fresh fit from pretrained weights (continued pretraining): a checkpoint or export
             of ours, an official DINO file, or ``timm:NAME[@FILE]`` (``ssl_xcit.dino.init_from``, docs/training.md).
         init_head_warmup_steps: optimiser steps during which only the head trains after ``init_from``
@@ -270,6 +270,7 @@ class DINO(DINOLifecycle):
         self._agree = HostAgreement()
         self._steps_since_read = 0
         self._window_backwards = 0  # micro-batches of the current window that ran a backward (host count)
+        self.window_closed = True  # whether the last training batch ended a window (the collapse guard asks)
         self._compiled = False
         self._restored_progress: tuple[int, int] | None = None  # (epoch, global step) of a loaded checkpoint
         self.init_state: dict[str, Any] | None = None  # init_from's record (ssl_xcit.dino.init_from)
@@ -299,8 +300,9 @@ class DINO(DINOLifecycle):
         # The micro-batches after the last full accumulation window cannot make a step; they are dropped,
         # as the schedules (sized on whole windows) assume. Every rank has the same batch count.
         if batch_idx >= self.schedules.iters_per_epoch * accumulate:
+            self.window_closed = False
             return None
-        window_end = (batch_idx + 1) % accumulate == 0
+        window_end = self.window_closed = (batch_idx + 1) % accumulate == 0
         opt = self.optimizers()
         lr, wd, momentum = self.schedules.at(self.global_step)
         self.ibot_weight_now = self.schedules.ibot_weight_at(self.global_step)
@@ -311,6 +313,7 @@ class DINO(DINOLifecycle):
             if window_end:  # no backward reduces what the window's readable micro-batches accumulated
                 self._optimizer_step(opt, momentum, reduce=self._window_backwards > 0)
             log_host_scalars(self, lr, wd, momentum)
+            self._count_window(window_end)
             return None
         for i, group in enumerate(opt.param_groups):
             group["lr"] = lr
@@ -333,10 +336,15 @@ class DINO(DINOLifecycle):
             self.signal_tensors["dino"] = (out.dino.teacher_entropy, out.dino.kl_to_uniform)
         if out.ibot is not None:
             self.signal_tensors["ibot"] = (out.ibot.teacher_entropy, out.ibot.kl_to_uniform)
-        self._steps_since_read += 1
-        if self._steps_since_read >= self.hparams.sync_every_n_steps:
-            self._read_finite()
+        self._count_window(window_end)
         return out.total.detach()
+
+    def _count_window(self, window_end: bool) -> None:
+        """``sync_every_n_steps`` counts optimiser steps (windows), not micro-batches: read at every N-th end."""
+        if window_end:
+            self._steps_since_read += 1
+            if self._steps_since_read >= self.hparams.sync_every_n_steps:
+                self._read_finite()
 
     def _update_gram_teacher(self, step: int) -> None:
         """Gram anchoring's snapshot or refresh before ``step``'s forward, and the step's weight (host only)."""

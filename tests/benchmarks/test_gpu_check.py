@@ -25,7 +25,8 @@ EVERY_ROW = [
     ("teacher in bf16-true", None), ("koleo under bf16-mixed", None),
     ("compile", "off (32-true)"), ("compile", "on (32-true)"), ("ibot", "off (32-true)"), ("ibot", "on (32-true)"),
     ("ibot", "on + compile (32-true)"), ("augment_on", "cpu (32-true)"), ("augment_on", "device (32-true)"),
-    ("host syncs per step", None), ("host syncs per step (progress bar on)", None), ("throughput", "--ci --device cpu"),
+    ("host syncs per step", None), ("host syncs per step (progress bar on)", None),
+    ("host syncs per step (16-mixed)", None), ("throughput", "--ci --device cpu"),
     ("ddp 2 = 1 process", None), ("ddp 2 + compile = 1 process", None), ("ddp 2, accumulate 2 = 1 process", None),
 ]  # fmt: skip
 

@@ -21,6 +21,17 @@ so reading them never waits on a GPU), and Lightning's ``move_data_to_device``, 
 
 Each finding is ``(kind, site)``; ``site`` is ``file:line (function)`` of the innermost frame outside torch's
 own Python wrappers, ``<- file:line`` the innermost frame of ssl_xcit or Lightning when that is another one.
+
+API (the invariant matrix calls it too)::
+
+    census = LoopCensus()
+    with census.installed():          # patches Lightning's loop and torch while the block runs
+        trainer.fit(model, loader)    # or ssl_xcit.cli.main([...]); any precision, 1 or 2 processes
+    check_steady(census.windows, ALLOWANCE[precision], warmup=2, label="...")  # AssertionError naming sites
+    steady_windows(census.windows)    # the iterations the allowance applies to; summary(windows) prints sites
+
+``census_worker.main(out, images, world_size, steps, precision)`` runs the quickstart recipe under it, with
+``census_worker.precision_args(precision)`` the CLI arguments of a precision (16-mixed: the CPU GradScaler).
 """
 
 from __future__ import annotations
@@ -106,6 +117,16 @@ def _device_target(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(a, (str, torch.device)) for a in args)
 
 
+def _names_a_device(device: Any) -> bool:
+    """A ``device=`` that may be an accelerator: any ``torch.device`` (``x.device`` is one on a GPU run), a device
+    string or index other than the CPU's (``"cuda"``, ``"cuda:0"``, ``0``)."""
+    if isinstance(device, torch.device):
+        return True
+    if isinstance(device, str):
+        return torch.device(device).type != "cpu"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
 class _Function(TorchFunctionMode):
     def __init__(self, census: LoopCensus) -> None:
         super().__init__()
@@ -129,7 +150,7 @@ class _Function(TorchFunctionMode):
                     ):
                         census.record("copy")
             elif func is torch.tensor or func is torch.as_tensor:
-                if isinstance(kwargs.get("device"), torch.device):
+                if _names_a_device(kwargs.get("device")):
                     census.record("copy")
         return func(*args, **kwargs)
 
@@ -335,6 +356,27 @@ def _tensor_ids(batch: Any) -> set[int]:
         elif hasattr(item, "__dict__") and not isinstance(item, type):
             todo.extend(vars(item).values())
     return found
+
+
+# Host reads allowed per steady iteration of the quickstart loop, by Trainer precision ("16-mixed" with a
+# GradScaler: fused AdamW, the toolkit's default there, takes found_inf on the device).
+ALLOWANCE = {"32-true": 0, "bf16-mixed": 0, "16-mixed": 0}
+
+
+def steady_windows(windows: list[dict[str, Any]], warmup: int = 2) -> list[dict[str, Any]]:
+    """The steady iterations: after the first ``warmup`` (optimiser state, the first schedules are made there),
+    with no periodic read marked in them."""
+    return [w for w in windows if w["batch_idx"] >= warmup and not w["marks"]]
+
+
+def check_steady(windows: list[dict[str, Any]], allowance: int = 0, warmup: int = 2, label: str = "") -> None:
+    """AssertionError, naming every site, when a steady iteration reads the host more than ``allowance`` times."""
+    bad = [w for w in steady_windows(windows, warmup) if len(w["found"]) > allowance]
+    where = ", ".join(f"{w['epoch']}/{w['batch_idx']}" for w in bad)
+    assert not bad, (
+        f"{label}: more than {allowance} host reads in {len(bad)} steady iterations (epoch/batch {where}):\n"
+        f"{summary(bad)}\nevery site of the run:\n{summary(windows)}"
+    )
 
 
 def summary(windows: list[dict[str, Any]]) -> str:

@@ -77,6 +77,7 @@ def test_fused_and_foreach_adamw_under_16_mixed_clip_true_gradients_and_train_th
     assert max(float(d.abs().max()) for d in plain.values()) > 1e-3  # the steps moved the weights
 
 
+@pytest.mark.slow  # two more fits; the 16-mixed choice is asserted above
 @pytest.mark.parametrize("precision,fused", [("32-true", False), ("bf16-mixed", False)])
 def test_automatic_fused_choice_only_under_a_grad_scaler(tiny, tmp_path, precision, fused):
     model = tiny.model()

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import torch
-from matrix_worker import accumulation_exact, skipped_micro_batches
+from matrix_worker import accumulation_exact, census_module, skipped_micro_batches
 
 COLUMNS = (
     "ranks equal", "2 proc = 1 proc", "accumulation = concatenation", "host reads",
@@ -36,11 +36,13 @@ TOLERANCE = {"32-true": 1e-4, "16-mixed": 1e-2, "bf16-mixed": 1e-1}
 # a non-fused optimiser, chosen against the default: torch's GradScaler reads ``found_inf`` with ``.item()`` in
 # the step of an optimiser that does not unscale itself (one read per optimiser step). Under a GradScaler the
 # toolkit's default is the fused step (``ssl_xcit.dino.optim.fused_by_default``), which takes it on the device.
-ALLOWANCE = {("16-mixed", "foreach"): 1}
+EXTRA_ALLOWANCE = {("16-mixed", "foreach"): 1}
 
 
 def allowance(row: dict[str, str]) -> int:
-    return ALLOWANCE.get((row["precision"], row["optimizer"]), 0)
+    """The census's documented allowance for the row's precision (``loop_census.ALLOWANCE``), plus the above."""
+    base = census_module().ALLOWANCE[row["precision"]]
+    return base + EXTRA_ALLOWANCE.get((row["precision"], row["optimizer"]), 0)
 
 
 CENSUS_WARMUP = 2  # first iterations: optimiser state, schedules and (compiled) graphs are made there
@@ -156,8 +158,8 @@ def host_reads(runs: list[dict], allowance: int, skipped: list[int] = ()) -> tup
     ``ssl_xcit.dino.optimizer_step``)."""
     worst, site = 0, ""
     for run in runs:
-        for window in run["census"]:
-            if window["batch_idx"] < CENSUS_WARMUP or window["marks"] or window["batch_idx"] in skipped:
+        for window in census_module().steady_windows(run["census"], CENSUS_WARMUP):
+            if window["batch_idx"] in skipped:
                 continue
             if len(window["found"]) > worst:
                 worst, site = len(window["found"]), window["found"][0][1]
