@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE))
 
 import matrix_checks  # noqa: E402
 import matrix_worker  # noqa: E402
-from matrix_options import AXES, pairwise, row_id  # noqa: E402
+from matrix_options import AXES, design, row_id  # noqa: E402
 
 WORKER = HERE / "matrix_worker.py"
 ROW_TIMEOUT_S = (
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--check-only", action="store_true", help="check the runs under --out, run none")
     args = parser.parse_args(argv)
-    rows = pairwise(AXES)
+    rows = design(AXES)
     if args.only:
         wanted = set(args.only.split(","))
         rows = [r for r in rows if row_id(r) in wanted]

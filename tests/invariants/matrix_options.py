@@ -63,6 +63,22 @@ def pairwise(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:
     return rows
 
 
+# Rows added to the all-pairs design so that "accumulation = concatenation" is checked in every precision: no
+# all-pairs row has accumulation > 1, no unreadable micro-batch, the ViT and a batch-split-free objective at once.
+ACCUMULATION_ROWS = [
+    {"accumulate": "2", "unreadable": "none", "precision": p, "optimizer": "foreach", "norm": "vit_nobn",
+     "objective": "dino", "compile": "off"}
+    for p in AXES["precision"]
+]  # fmt: skip
+
+
+def design(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:
+    """The matrix's rows: the all-pairs design, then ``ACCUMULATION_ROWS`` (those of ``axes``' values)."""
+    rows = pairwise(axes)
+    extra = [r for r in ACCUMULATION_ROWS if r.keys() == axes.keys() and r not in rows]
+    return rows + extra
+
+
 def covered(rows: list[dict[str, str]], axes: dict[str, tuple[str, ...]] = AXES) -> bool:
     """Whether ``rows`` hold every pair of values of every two axes."""
     found = set().union(*(_pairs(r, axes) for r in rows)) if rows else set()
