@@ -5,7 +5,7 @@ bf16-true's teacher movement against 32-true's (DINO refuses bf16-true: the row 
 KoLeo's neighbours under bf16 autocast against float64's; compile on and off; iBOT on and off (and both on:
 compile must cover the masked pass); ``augment_on`` cpu and device; host syncs per step (``sync_count.py``),
 with the recipe's progress bar off and on, and under 16-mixed with the toolkit's default optimiser for it;
-the throughput benchmark; the invariant matrix's CUDA rows (``MATRIX_ROWS``); with 2 or
+the throughput benchmark; the invariant matrix's CUDA rows (``MATRIX_ROWS``: ``gpu_check_matrix.py``); with 2 or
 more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``). Rows with
 the same settings share one run; with 2 GPUs also DDP + compile and DDP with 2 accumulated micro-batches, each
 against its 1-process run. A row passes when its run ends with the steps asked for and finite weights
@@ -340,11 +340,11 @@ def table(rows: list[Row]) -> str:
 
 def matrix_rows(check: Check) -> list[Row]:
     """The invariant matrix's CUDA subset (NCCL with 2 or more GPUs): each function in ``MATRIX_ROWS`` takes the
-    ``Check`` and returns its rows. Empty until the matrix (tests/invariants/) registers its rows here."""
+    ``Check`` and returns its rows (``gpu_check_matrix.py``: tests/invariants' mixed-precision rows)."""
     return [row for make in MATRIX_ROWS for row in make(check)]
 
 
-MATRIX_ROWS: list[Callable[[Check], list[Row]]] = []
+MATRIX_ROWS: list[Callable[[Check], list[Row]]] = [lambda c: _load("gpu_check_matrix").matrix_rows(c)]
 
 SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
     "precision": precision_rows,

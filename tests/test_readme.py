@@ -58,6 +58,7 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^pytest$", "this is the test suite itself"),
     (r"^bash benchmarks/gpu_check\.sh --dry-run$", "tests/benchmarks/test_gpu_check.py runs it (minutes: marked slow)"),
     (r"^bash benchmarks/gpu_check\.sh$", "needs a CUDA GPU; its --dry-run form is tested in tests/benchmarks"),
+    (r"^python tests/invariants/matrix\.py ", "tests/invariants/test_matrix.py runs it (the whole matrix: slow)"),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO, *_SHALLOW, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO, *_SHALLOW]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --model\.init_from teacher\.safetensors$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/init_from"]),

@@ -124,8 +124,25 @@ def build_optimizer(name: str, params_groups: list[dict], fused: bool = False) -
     if name == "adamw":
         return torch.optim.AdamW(params_groups, lr=0.0, fused=True if fused else None)
     if name == "sgd":
-        return torch.optim.SGD(params_groups, lr=0.0, momentum=0.9, fused=True if fused else None)
+        sgd = torch.optim.SGD(params_groups, lr=0.0, momentum=0.9, fused=True if fused else None)
+        if fused:
+            sgd.register_step_pre_hook(_late_momentum_buffers)
+        return sgd
     return LARS(params_groups)
+
+
+def _late_momentum_buffers(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Zero momentum buffers, before the step, for the parameters with a gradient and none yet. torch's fused
+    SGD makes them itself only when no parameter has one, and refuses a mix (the backbone after ``init_from``'s
+    head warm-up, the last layer after its freeze); and it makes them with ``empty_like``, which a first step
+    skipped on a GradScaler overflow leaves uninitialised for every later step. With a zero buffer this step's
+    buffer is the gradient, as the default SGD's first step makes it, and a skipped step leaves zeros."""
+    for group in optimizer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for param in group["params"]:
+            if param.grad is not None and optimizer.state.get(param, {}).get("momentum_buffer") is None:
+                optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
 
 @torch.no_grad()

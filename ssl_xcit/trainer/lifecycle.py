@@ -80,6 +80,8 @@ class DINOLifecycle(LightningModule):
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
             self.student = convert_sync_batchnorm(self.student)
             self.teacher = convert_sync_batchnorm(self.teacher)
+            if getattr(self, "gram_teacher", None) is not None:  # batch statistics in its forward too
+                self.gram_teacher.backbone = convert_sync_batchnorm(self.gram_teacher.backbone)
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.compile_backbone()

@@ -1,0 +1,55 @@
+"""The invariant matrix's CUDA rows for ``gpu_check.py`` (section ``matrix``): tests/invariants on the GPU.
+
+The rows of the all-pairs design (``tests/invariants/matrix_options.py``) in ``16-mixed`` and ``bf16-mixed``,
+the precisions GPUs train in: their 1-process runs on one GPU (the census of host reads per steady step, the
+fused against the default optimiser, accumulation against concatenation, finite weights and the step count),
+and with 2 or more GPUs their 2-process NCCL runs too (ranks equal, 2 processes = 1, resume = uninterrupted).
+``--dry-run`` runs the first ``DRY_ROWS`` of them on the CPU, one process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MATRIX = Path(__file__).resolve().parents[1] / "tests" / "invariants" / "matrix.py"
+CUDA_ROWS = 8  # the 7 16-mixed rows and a bf16-mixed one; ~20 s each on one GPU (2-3 fits)
+DRY_ROWS = 1
+
+
+def _matrix() -> Any:
+    spec = importlib.util.spec_from_file_location("invariant_matrix", MATRIX)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("invariant_matrix", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cuda_rows() -> list[dict[str, str]]:
+    """The design's mixed-precision rows, 16-mixed first (its GradScaler is where issue 42's errors were)."""
+    matrix = _matrix()
+    rows = [r for r in matrix.pairwise(matrix.AXES) if r["precision"] != "32-true"]
+    return sorted(rows, key=lambda r: r["precision"] != "16-mixed")[:CUDA_ROWS]
+
+
+def matrix_rows(check: Any) -> list[Any]:
+    """One gpu_check row per matrix row: pass when no invariant fails (n.a. cells named in the result)."""
+    row_type = sys.modules[type(check).__module__].Row  # gpu_check's, however it was loaded
+    matrix = _matrix()
+    rows = cuda_rows()[: DRY_ROWS if check.dry else None]
+    worlds = (2, 1) if not check.dry and torch.cuda.device_count() >= 2 else (1,)
+    with tempfile.TemporaryDirectory(dir=check.tmp) as tmp:
+        results = matrix.run_matrix(rows, Path(tmp), check.accelerator, worlds)
+    backend = ("nccl, " if 2 in worlds else "") + f"{check.accelerator}, {len(worlds)} run size(s)"
+    table = []
+    for row, result in zip(rows, results, strict=True):
+        failed = [f"{c}: {d}" for c, (s, d) in result.items() if s == "FAIL"]
+        passed = sum(s == "PASS" for s, _ in result.values())
+        text = "; ".join(failed)[:120] if failed else f"{passed} invariants pass, {len(result) - passed} n.a."
+        table.append(row_type(f"matrix {matrix.row_id(row)}", backend, text, "fail" if failed else "pass"))
+    return table

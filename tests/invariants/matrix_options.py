@@ -1,0 +1,85 @@
+"""The option axes of the invariant matrix and its all-pairs design.
+
+``AXES`` is the whole option space, one line per axis (a new axis or value is one line, e.g. FSDP2 as a
+``strategy`` axis); ``pairwise(AXES)`` picks the rows, deterministically, so that every pair of values of two
+axes runs together in at least one row. A row is a ``dict`` axis -> value; its ``row_id`` names it.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+AXES: dict[str, tuple[str, ...]] = {
+    "accumulate": ("1", "2", "3"),
+    # Where the unreadable micro-batch is (window 1 of 4): on every rank at the window's first or last
+    # micro-batch; on rank 1 only at the window's last (the ranks must agree to skip); every micro-batch of
+    # the window on every rank (no optimiser step in that window).
+    "unreadable": ("none", "start", "end", "one_rank", "every_rank"),
+    "precision": ("32-true", "bf16-mixed", "16-mixed"),
+    # fused=False leaves torch its own choice (foreach on accelerators, the for-loop on the CPU).
+    "optimizer": ("foreach", "fused"),
+    "norm": ("xcit_syncbn", "vit_nobn"),
+    "objective": ("dino", "koleo", "ibot", "gram", "distill_features", "distill_dino", "init_from"),
+    "compile": ("off", "aot_eager"),
+}
+
+
+def row_id(row: dict[str, str]) -> str:
+    """A short stable name: the values in axis order (``2-end-16-mixed-fused-...``)."""
+    return "-".join(row[axis] for axis in row)
+
+
+def _uncovered(axes: dict[str, tuple[str, ...]]) -> set[tuple[str, str, str, str]]:
+    return {(a, va, b, vb) for a, b in combinations(axes, 2) for va in axes[a] for vb in axes[b]}
+
+
+def _pairs(row: dict[str, str], axes: dict[str, tuple[str, ...]]) -> set[tuple[str, str, str, str]]:
+    set_axes = [a for a in axes if a in row]
+    return {(a, row[a], b, row[b]) for a, b in combinations(set_axes, 2)}
+
+
+def pairwise(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:
+    """A covering array of strength 2, greedy and deterministic: each row starts from the first still
+    uncovered pair (in axis and value order) and fills every other axis with the value that covers the
+    most uncovered pairs with the values already chosen (ties: the value listed first). Small enough here
+    (about 40 rows for 7 axes of up to 7 values, against 2,520 in the full product) and no dependency."""
+    todo = _uncovered(axes)
+    order = list(axes)
+    rows: list[dict[str, str]] = []
+    while todo:
+        a, va, b, vb = min(todo, key=lambda p: (order.index(p[0]), axes[p[0]].index(p[1]),
+                                                 order.index(p[2]), axes[p[2]].index(p[3])))  # fmt: skip
+        row = {a: va, b: vb}
+        for axis in order:
+            if axis in row:
+                continue
+            row[axis] = max(
+                axes[axis],
+                key=lambda v: (len(_pairs({**row, axis: v}, axes) & todo), -axes[axis].index(v)),
+            )
+        row = {axis: row[axis] for axis in order}
+        todo -= _pairs(row, axes)
+        rows.append(row)
+    return rows
+
+
+# Rows added to the all-pairs design so that "accumulation = concatenation" is checked in every precision: no
+# all-pairs row has accumulation > 1, no unreadable micro-batch, the ViT and a batch-split-free objective at once.
+ACCUMULATION_ROWS = [
+    {"accumulate": "2", "unreadable": "none", "precision": p, "optimizer": "foreach", "norm": "vit_nobn",
+     "objective": "dino", "compile": "off"}
+    for p in AXES["precision"]
+]  # fmt: skip
+
+
+def design(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:
+    """The matrix's rows: the all-pairs design, then ``ACCUMULATION_ROWS`` (those of ``axes``' values)."""
+    rows = pairwise(axes)
+    extra = [r for r in ACCUMULATION_ROWS if r.keys() == axes.keys() and r not in rows]
+    return rows + extra
+
+
+def covered(rows: list[dict[str, str]], axes: dict[str, tuple[str, ...]] = AXES) -> bool:
+    """Whether ``rows`` hold every pair of values of every two axes."""
+    found = set().union(*(_pairs(r, axes) for r in rows)) if rows else set()
+    return _uncovered(axes) <= found

@@ -1,0 +1,380 @@
+"""Real ``fit`` runs of the invariant matrix: ``python matrix_worker.py OUT ROWS_JSON WORLD_SIZE [ACCELERATOR]``.
+
+Under ``torchrun --nproc_per_node 2`` every row of ROWS_JSON (``matrix_options`` rows) runs as 2-process
+Lightning DDP (gloo on the CPU, NCCL on CUDA), one row after another in the same processes; with WORLD_SIZE 1
+the 1-process references. Each run is the DINO module (or ``Distill``), the recipe's callbacks (the synced
+progress bar, skipped-images logger, quickstart's three ``ModelCheckpoint`` s, ``PreemptionCheckpoint``; the
+module adds its collapse guard) and Lightning's loops, on the resumable loader the data module uses.
+
+The 2-process runs of a row: ``full`` (under the loop census), ``crashed`` (rank 0 asks for a pre-emption in
+the middle of window 1; ``PreemptionCheckpoint`` saves at a closed window and stops) and ``resumed`` (fit
+from that checkpoint to the end). The 1-process runs: ``single`` (the same global batches, in one process),
+``concat`` (accumulation 1 over batches of the concatenated micro-batches) and ``twin`` (the other optimiser
+implementation). Each writes ``OUT/<row>/<run>_rank<r>.pt``: the module's and the optimiser's state, losses,
+steps, census windows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+HERE = Path(__file__).resolve().parent
+DINO_TESTS = HERE.parent / "dino"
+MICRO = 2  # images per rank per micro-batch: a global micro-batch of 4
+WORLD = 2  # the distributed runs' size; the references put the same global batch in one process
+WINDOWS = 4  # optimiser windows in the run (one epoch)
+SKIP_WINDOW = 1  # the window holding the unreadable micro-batch
+PREEMPT_WINDOW = 1  # rank 0 asks for a pre-emption after this window's first micro-batch
+# The CPU GradScaler's first scale. Its default, 2^16, overflows these gradients in float16, and each overflow
+# skips the step and halves the scale: a 4-step run would never step. 2^8 steps from the first window and
+# still scales gradients far past the clip threshold (3.0), as a real run's scale does.
+SCALER_INIT = 2.0**8
+CHECKPOINT_EVERY = 3  # the step ModelCheckpoint's interval (the quickstart's 10, scaled to a 4-step run)
+
+
+def _load(name: str, path: Path) -> Any:
+    """A module of tests/dino by path (its bare name ``conftest`` would collide with this suite's own)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def dino_fixtures() -> Any:
+    return _load("dino_fixtures", DINO_TESTS / "conftest.py")
+
+
+def census_module() -> Any:
+    return _load("loop_census", DINO_TESTS / "loop_census.py")
+
+
+def ddp_worker() -> Any:
+    return _load("ddp_worker", DINO_TESTS / "ddp_worker.py")
+
+
+# ------------------------------------------------------------------------------------------------- data
+def skipped_micro_batches(row: dict[str, str]) -> list[int]:
+    """The micro-batch indices (of the epoch) that every rank skips."""
+    k, where = int(row["accumulate"]), row["unreadable"]
+    first = SKIP_WINDOW * k
+    if where == "none":
+        return []
+    if where == "start":
+        return [first]
+    if where in ("end", "one_rank"):
+        return [first + k - 1]
+    return list(range(first, first + k))
+
+
+def positions(row: dict[str, str], world_size: int) -> set[int]:
+    """Positions in the epoch's sample order whose images are unreadable. Position ``p`` goes to rank
+    ``p % WORLD`` of the 2-process run (the sampler's interleave), and global micro-batch ``m`` is positions
+    ``4m .. 4m + 3`` in both runs. A micro-batch one rank skips, every rank skips: the 1-process reference
+    makes its whole global micro-batch unreadable."""
+    size = MICRO * WORLD
+    found = {m * size + j for m in skipped_micro_batches(row) for j in range(size)}
+    if row["unreadable"] == "one_rank" and world_size > 1:
+        found = {p for p in found if p % WORLD == 1}
+    return found
+
+
+def dataset(row: dict[str, str], world_size: int, seed: int) -> Any:
+    """ddp_worker's deterministic crops, ``WINDOWS`` windows long; the unreadable positions map to dataset
+    indices through the sampler's own permutation (``ResumableSampler``: seed + epoch 0)."""
+    crops = ddp_worker().FixedCrops
+    n = WINDOWS * int(row["accumulate"]) * MICRO * WORLD
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    class Crops(crops):
+        def __len__(self) -> int:
+            return n
+
+    return Crops(frozenset(order[p] for p in positions(row, world_size)))
+
+
+# ------------------------------------------------------------------------------------------------ model
+def write_sources(out: Path) -> dict[str, Path]:
+    """Tiny DINO checkpoints (Lightning layout, a DINO head included) of both backbones: ``init_from`` starts
+    from the row's own backbone, distillation distils from the ViT (its ``dino`` objective needs the head).
+    Every process writes its own copies (same tensors), so none reads a file another is writing."""
+    from ssl_xcit.dino.module import DINO
+
+    rank = os.environ.get("RANK", "single")
+    paths = {}
+    for norm, (backbone, kwargs) in BACKBONES.items():
+        torch.manual_seed(7)
+        source = DINO(backbone, backbone_kwargs=kwargs, **HEAD)
+        path = out / f"source_{norm}_{rank}.ckpt"
+        torch.save({"state_dict": source.state_dict(), "hyper_parameters": dict(source.hparams)}, path)
+        paths[norm] = path
+    return paths
+
+
+BACKBONES = {
+    "xcit_syncbn": ("xcit_nano_12_p8", {"depth": 1}),
+    "vit_nobn": ("vit_tiny_patch16_224", {"depth": 1, "patch_size": 8}),
+}
+HEAD = dict(out_dim=32, head_hidden_dim=32, head_bottleneck_dim=16)
+OBJECTIVES: dict[str, dict[str, Any]] = {
+    "dino": {},
+    "koleo": {"koleo_weight": 0.1, "centering": "sinkhorn_knopp"},  # as the quickstart
+    "ibot": {"ibot_loss_weight": 1.0, "centering": "sinkhorn_knopp"},
+    "gram": {"gram_loss_weight": 1.0, "gram_start_step": 1},  # the EMA teacher of step 1 anchors steps 1-3
+    "distill_features": {"objective": "features"},
+    "distill_dino": {"objective": "dino"},
+    "init_from": {"init_head_warmup_steps": 1},  # the backbone waits one step, then trains
+}
+
+
+def row_source(row: dict[str, str], sources: dict[str, Path]) -> str:
+    return str(sources[row["norm"]])
+
+
+def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool) -> Any:
+    from ssl_xcit.dino.distill import Distill
+    from ssl_xcit.dino.module import DINO
+
+    backbone, kwargs = BACKBONES[row["norm"]]
+    extra = dict(OBJECTIVES[row["objective"]])
+    if row["objective"] == "init_from":
+        extra["init_from"] = row_source(row, sources)
+    L.seed_everything(0, verbose=False)
+    common = dict(
+        backbone=backbone,
+        backbone_kwargs=kwargs,
+        drop_path_rate=0.0,  # its masks draw per rank: the 1- and 2-process runs would differ by design
+        warmup_epochs=0,
+        # SGD (momentum 0.9): AdamW's division by sqrt(v) turns float noise on near-zero gradients into
+        # full-size steps, which would hide a real disagreement behind a loose tolerance (ddp_worker).
+        optimizer="sgd",
+        lr=2.0,
+        momentum_teacher=0.9,  # the teacher moves visibly in 4 steps
+        freeze_last_layer=0,
+        fused_optimizer=fused,
+        accumulate_grad_batches=int(row["accumulate"]),
+        compile=row["compile"] != "off",
+        sync_every_n_steps=1000,  # one read, at the epoch's end: the census sees the steady state
+        **HEAD,
+        **extra,
+    )
+    if row["objective"].startswith("distill_"):
+        return Distill(teacher=str(sources["vit_nobn"]), **common)
+    return DINO(**common)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+def precision_args(precision: str, accelerator: str) -> dict[str, Any]:
+    """``16-mixed`` on the CPU needs its GradScaler given: Lightning otherwise runs bf16 with no scaler."""
+    if precision == "16-mixed":
+        from lightning.pytorch.plugins import MixedPrecision
+
+        scaler = torch.amp.GradScaler(accelerator, init_scale=SCALER_INIT)
+        return {"plugins": [MixedPrecision("16-mixed", accelerator, scaler)]}
+    return {"precision": precision}
+
+
+class Record(L.Callback):
+    """Per micro-batch: the loss (None when skipped). With ``preempt``, rank 0 alone asks for a pre-emption
+    (as its SIGTERM handler would) after window ``PREEMPT_WINDOW``'s first micro-batch."""
+
+    def __init__(self, preempt: bool = False) -> None:
+        self.losses: list[torch.Tensor | None] = []  # read after the fit: no host read of the census's
+        self.preempt = preempt
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self.losses.append(None if loss is None else loss.detach().clone())
+        k = pl_module.hparams.accumulate_grad_batches
+        if self.preempt and batch_idx == PREEMPT_WINDOW * k and trainer.global_rank == 0:
+            from ssl_xcit.dino.preemption import PreemptionCheckpoint
+
+            for callback in trainer.callbacks:
+                if isinstance(callback, PreemptionCheckpoint):
+                    callback.received = signal.SIGTERM
+
+
+def callbacks(out: Path) -> list[L.Callback]:
+    """The quickstart recipe's callbacks (its online k-NN aside: it needs a labelled validation set and
+    runs at the epoch's end, outside the steady state) and the CLI's ``PreemptionCheckpoint``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ssl_xcit.data import SkippedImagesLogger
+    from ssl_xcit.dino.preemption import PreemptionCheckpoint
+    from ssl_xcit.dino.progress import SyncedRichProgressBar
+
+    folder = dict(dirpath=out / "checkpoints", enable_version_counter=False)
+    return [
+        SyncedRichProgressBar(),
+        SkippedImagesLogger(),
+        ModelCheckpoint(filename="last", every_n_train_steps=CHECKPOINT_EVERY, **folder),
+        ModelCheckpoint(filename="last", every_n_epochs=1, save_on_train_epoch_end=True, **folder),
+        ModelCheckpoint(filename="{epoch:04d}", every_n_epochs=2, save_top_k=-1, save_on_train_epoch_end=True,
+                        dirpath=out / "checkpoints"),
+        PreemptionCheckpoint(requeue=False),
+    ]  # fmt: skip
+
+
+def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, *, batch: int = MICRO,
+        fused: bool | None = None, preempt: bool = False, ckpt_path: Path | None = None,
+        census: bool = False, data_row: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    """One fit of ``row``; its state, losses and census windows."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ssl_xcit.data.datasets import collate_train
+    from ssl_xcit.data.resumable import resumable_loader
+    from ssl_xcit.dino.preemption import Preempted
+
+    if row["compile"] == "aot_eager":  # the graphs inductor would get, made on 2 CPU cores in seconds
+        _aot_eager()
+    fused = row["optimizer"] == "fused" if fused is None else fused
+    model = build_model(row, sources, fused)
+    rank = int(os.environ.get("RANK", "0"))
+    record = Record(preempt)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=world_size, strategy="ddp" if world_size > 1 else "auto",
+        max_epochs=1, logger=CSVLogger(out, name="csv"), log_every_n_steps=50, num_sanity_val_steps=0,
+        enable_model_summary=False, callbacks=[record, *callbacks(out)], default_root_dir=out,
+        **precision_args(row["precision"], accelerator),
+    )  # fmt: skip
+    data = dataset(data_row or row, world_size, seed=0)
+    loader = resumable_loader(data, batch, collate_train, world_size=world_size, rank=rank, seed=0)
+    found = census_module().LoopCensus() if census else None
+    stopped = None
+    try:
+        if found is not None:
+            with found.installed():
+                trainer.fit(model, loader, ckpt_path=ckpt_path)
+        else:
+            trainer.fit(model, loader, ckpt_path=ckpt_path)
+    except Preempted as err:
+        stopped = str(err.checkpoint)
+    optimizer = trainer.optimizers[0]
+    return {
+        "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
+        "optimizer": [
+            {k: v.detach().float().clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+            for s in (optimizer.state[p] for g in optimizer.param_groups for p in g["params"])
+        ],
+        "losses": [None if x is None else float(x) for x in record.losses],
+        "global_step": trainer.global_step,
+        "skipped": model.skipped_batches,
+        "preempted": stopped,
+        "census": found.windows if found is not None else None,
+        "world_size": trainer.world_size,
+        "bn_types": sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__}),
+    }
+
+
+def initial_state(row: dict, sources: dict) -> dict[str, torch.Tensor]:
+    """The module's state before training (after ``init_from``'s load where the row has one)."""
+    model = build_model(row, sources, fused=False)
+    if row["objective"] == "init_from":
+        from ssl_xcit.dino.init_from import apply_weights, read_source
+
+        apply_weights(model, read_source(row_source(row, sources)))
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+_COMPILE = torch.compile
+
+
+def _aot_eager() -> None:
+    """``torch.compile`` with the ``aot_eager`` backend. The fits of a launch share dynamo's cache (a new module
+    of a shape compiled before reuses its graphs: ~60 s of compile once, not per fit); the rows' models add
+    entries, so the recompile limit is raised, and reaching it fails the row instead of running it eager."""
+    import torch._dynamo
+
+    def compile_aot_eager(fn=None, **kwargs):
+        return _COMPILE(fn, **{**kwargs, "backend": "aot_eager"})
+
+    torch.compile = compile_aot_eager
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def accumulation_exact(row: dict[str, str]) -> str | None:
+    """None when accumulating ``row``'s micro-batches must equal one step over their concatenation, else why
+    not. Nothing may depend on the batch split: not BatchNorm's batch statistics (XCiT: 4 images vs 4k),
+    KoLeo's neighbours or Sinkhorn-Knopp's equipartition over the batch, not iBOT's mask draws (seeded per
+    micro-batch); and with an unreadable micro-batch the window's gradient is its readable micro-batches'
+    sum / k, which no concatenated batch gives."""
+    if row["accumulate"] == "1":
+        return "k = 1"
+    if row["unreadable"] != "none":
+        return "unreadable"
+    if row["norm"] == "xcit_syncbn":
+        return "BatchNorm statistics"
+    return {"koleo": "KoLeo, Sinkhorn-Knopp", "ibot": "iBOT masks, Sinkhorn-Knopp"}.get(row["objective"])
+
+
+def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> None:
+    """Every run of ``row`` that ``world_size`` makes (see the module docstring), saved under ``out``."""
+    from matrix_options import row_id
+
+    folder = out / row_id(row)
+    folder.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    sources = write_sources(folder)
+    runs: dict[str, dict] = {}
+    try:
+        if world_size > 1:
+            runs["full"] = fit(row, folder / "full", world_size, accelerator, sources, census=True)
+            runs["crashed"] = fit(row, folder / "crashed", world_size, accelerator, sources, preempt=True)
+            ckpt = runs["crashed"]["preempted"]
+            if ckpt is not None:
+                runs["resumed"] = fit(row, folder / "resumed", world_size, accelerator, sources,
+                                      ckpt_path=Path(ckpt))  # fmt: skip
+        else:
+            runs["initial"] = {"state": initial_state(row, sources)}
+            runs["single"] = fit(
+                row, folder / "single", 1, accelerator, sources, batch=MICRO * WORLD, census=True
+            )
+            k = int(row["accumulate"])
+            if accumulation_exact(row) is None:
+                concat = {**row, "accumulate": "1"}
+                runs["concat"] = fit(
+                    concat, folder / "concat", 1, accelerator, sources, batch=MICRO * WORLD * k, data_row=row
+                )
+            if row["optimizer"] == "fused":  # the same run with torch's default implementation
+                runs["twin"] = fit(
+                    row, folder / "twin", 1, accelerator, sources, batch=MICRO * WORLD, fused=False
+                )
+    except Exception as err:  # one broken row is a failed row, never the end of the matrix
+        import traceback
+
+        runs["error"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-4000:]}
+        if world_size > 1:  # the other rank may wait in a collective this one left: end both now
+            torch.save(runs, folder / f"ws{world_size}_rank{rank}.pt")
+            os._exit(3)
+    torch.save(runs, folder / f"ws{world_size}_rank{rank}.pt")
+
+
+def main(out: Path, rows: list[dict], world_size: int, accelerator: str) -> None:
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(HERE))
+    from matrix_options import row_id
+
+    for row in rows:
+        start = time.perf_counter()
+        run_row(row, out, world_size, accelerator)
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(out / "timings.txt", "a") as log:
+                log.write(f"{row_id(row)} ws{world_size}: {time.perf_counter() - start:.1f} s\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), int(sys.argv[3]),
+         sys.argv[4] if len(sys.argv) > 4 else "cpu")  # fmt: skip
