@@ -199,7 +199,7 @@ class Record(L.Callback):
         self.losses.append(None if loss is None else loss.detach().clone())
         k = pl_module.hparams.accumulate_grad_batches
         if self.preempt and batch_idx == PREEMPT_WINDOW * k and trainer.global_rank == 0:
-            from ssl_xcit.dino.preemption import PreemptionCheckpoint
+            from ssl_xcit.trainer.preemption import PreemptionCheckpoint
 
             for callback in trainer.callbacks:
                 if isinstance(callback, PreemptionCheckpoint):
@@ -212,8 +212,8 @@ def callbacks(out: Path) -> list[L.Callback]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ssl_xcit.data import SkippedImagesLogger
-    from ssl_xcit.dino.preemption import PreemptionCheckpoint
-    from ssl_xcit.dino.progress import SyncedRichProgressBar
+    from ssl_xcit.trainer.preemption import PreemptionCheckpoint
+    from ssl_xcit.trainer.progress import SyncedRichProgressBar
 
     folder = dict(dirpath=out / "checkpoints", enable_version_counter=False)
     return [
@@ -235,7 +235,7 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
 
     from ssl_xcit.data.datasets import collate_train
     from ssl_xcit.data.resumable import resumable_loader
-    from ssl_xcit.dino.preemption import Preempted
+    from ssl_xcit.trainer.preemption import Preempted
 
     if row["compile"] == "aot_eager":  # the graphs inductor would get, made on 2 CPU cores in seconds
         _aot_eager()
