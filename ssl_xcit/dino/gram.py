@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ssl_xcit.dino.fsdp import local_tensors, reshard
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import MASKING_FAMILIES
 
@@ -211,10 +212,13 @@ class GramTeacher(nn.Module):
             self.refreshes += 1
 
     def _copy_from(self, teacher_backbone: nn.Module) -> None:
-        # Parameters and every buffer, the non-persistent ones too.
+        # Parameters and every buffer, the non-persistent ones too; under FSDP2 shard by shard (both are
+        # sharded alike: ssl_xcit.dino.fsdp).
+        reshard(teacher_backbone)
         source = {**dict(teacher_backbone.named_parameters()), **dict(teacher_backbone.named_buffers())}
         own = {**dict(self.backbone.named_parameters()), **dict(self.backbone.named_buffers())}
-        torch._foreach_copy_([t.data for t in own.values()], [source[k].detach() for k in own])
+        targets = [t.data for t in local_tensors(own.values())]
+        torch._foreach_copy_(targets, [t.detach() for t in local_tensors(source[k] for k in own)])
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.tensor([int(self.initialised), self.refreshes], dtype=torch.int64)

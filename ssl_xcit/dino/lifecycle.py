@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
 from ssl_xcit.dino.checkpointing import last_checkpoint
+from ssl_xcit.dino.fsdp import is_fsdp2, shard_module
 from ssl_xcit.dino.gram import adapt_checkpoint_state, read_gram_source
 from ssl_xcit.dino.optim import build_optimizer, get_params_groups
 from ssl_xcit.dino.precision import check_precision
@@ -67,6 +68,8 @@ class DINOLifecycle(LightningModule):
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
             self.student = convert_sync_batchnorm(self.student)
             self.teacher = convert_sync_batchnorm(self.teacher)
+        if is_fsdp2(self._trainer):
+            shard_module(self, self.trainer.strategy.data_parallel_mesh, str(self.trainer.precision))
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.compile_backbone()

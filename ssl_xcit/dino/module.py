@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
 from ssl_xcit.data.datasets import EmptyBatch
+from ssl_xcit.dino.fsdp import local_parameters
 from ssl_xcit.dino.gram import build_gram_teacher
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
@@ -424,8 +425,9 @@ class DINO(DINOLifecycle):
     @torch.no_grad()
     def _update_teacher(self, momentum: float) -> None:
         """teacher <- m * teacher + (1 - m) * student, over parameters only (buffers are not averaged)."""
-        teacher_params = list(self.teacher.parameters())
-        student_params = [p.detach() for p in self.student.parameters()]
+        # Local shards under FSDP2 (student and teacher are sharded alike): no gather.
+        teacher_params = local_parameters(self.teacher)
+        student_params = [p.detach() for p in local_parameters(self.student)]
         torch._foreach_mul_(teacher_params, momentum)
         torch._foreach_add_(teacher_params, student_params, alpha=1.0 - momentum)
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ssl_xcit.dino.fsdp import local_tensors, tensor_norms
 from ssl_xcit.errors import UserError
 
 OPTIMIZERS = ("adamw", "sgd", "lars")
@@ -126,9 +127,9 @@ def clip_gradients(model: nn.Module, clip: float) -> torch.Tensor:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(0)
-    norms = torch.stack(torch._foreach_norm(grads, 2.0))
+    norms = tensor_norms(grads)  # whole-tensor norms of sharded (FSDP2) gradients too
     coefs = (clip / (norms + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, list(coefs.unbind()))
+    torch._foreach_mul_(list(local_tensors(grads)), list(coefs.unbind()))
     return norms
 
 

@@ -15,11 +15,13 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> Path:
-    """The five 2-process runs below, one after another in one launch (each in its own folder): starting
+    """The 2-process runs below, one after another in one launch (each in its own folder): starting
     torchrun and importing torch and Lightning in both ranks took most of each test's ~17 s. A rank left
     waiting in a collective ends in ``TimeoutExpired``, with the launcher and both workers killed."""
     out = tmp_path_factory.mktemp("ddp")
-    torchrun(WORKER, str(out), "2", "plain,empty,ibot,distill,init_from", timeout=300)
+    # FSDP2's runs share the launch (ssl_xcit.dino.fsdp); the DDP runs are their reference.
+    modes = "plain,empty,ibot,distill,init_from,fsdp2:plain,fsdp2:distill"
+    torchrun(WORKER, str(out), "2", modes, timeout=300)
     return out
 
 
@@ -128,3 +130,23 @@ def test_ddp_init_from_starts_both_ranks_from_the_source_and_warms_the_head_alon
     initial = worker.build_init_from(worker.source_file(tmp_path)).student.state_dict()
     assert any(not torch.equal(ranks[0]["student"][k], initial[k]) for k in head)  # the head did train
     _students_agree(ranks, single)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["plain", "distill"])
+def test_fsdp2_equals_ddp_over_the_same_steps(ddp_runs, mode):
+    """``--trainer.strategy fsdp2`` (per-block fully_shard, sharded EMA, clipping on sharded gradients) gives
+    DDP's losses, centres, student and teacher after 2 steps on 2 gloo processes, within float32 reduction
+    order; the quickstart's DINO (plain) and a distillation run (frozen ViT teacher, sharded too)."""
+    initial = _load_worker().initial_student()
+    for ddp, fsdp in zip(_ranks(ddp_runs, mode), _ranks(ddp_runs, f"fsdp2-{mode}"), strict=True):
+        assert fsdp["sharded"] == ["DTensor"] and ddp["sharded"] == ["Parameter"]
+        assert fsdp["global_step"] == ddp["global_step"] == 2
+        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+        torch.testing.assert_close(fsdp["centers"], ddp["centers"], rtol=1e-5, atol=1e-7)
+        for network in ("student", "teacher"):
+            assert fsdp[network].keys() == ddp[network].keys()
+            for key, value in ddp[network].items():
+                torch.testing.assert_close(fsdp[network][key], value, rtol=1e-5, atol=1e-7, msg=key)
+    moved = [k for k, v in ddp["student"].items() if k in initial and not torch.equal(v, initial[k])]
+    assert len(moved) > 10  # training moved the weights the comparison covers

@@ -1,0 +1,199 @@
+"""FSDP2 for DINO: ``--trainer.strategy fsdp2`` shards every network of a run over the data-parallel ranks.
+
+``FSDP2Strategy`` is Lightning's ``ModelParallelStrategy`` with the whole world as the data-parallel mesh
+dimension (no tensor parallelism) and DINO's checkpoint needs; :func:`shard_module` is what the module's
+``configure_model`` calls. As DINOv3 does, each transformer block is one ``fully_shard`` unit, the rest of a
+backbone (stem, positional terms, final norm) is its root unit, and each head is sharded on its own. The EMA
+teacher, the Gram teacher and a distillation teacher are sharded exactly like the student, so every rank
+holds the same slice of a parameter in all of them and the EMA update is local (:func:`local_parameters`).
+
+With ``bf16-mixed`` the units compute in bf16, reduce gradients in float32 and keep float32 master weights
+(DINOv3's ``MixedPrecisionPolicy``). Lightning refuses ``16-mixed`` under this strategy.
+
+Not supported: ``compile`` (DINOv3 compiles per block; untested here) and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ssl_xcit.errors import UserError
+
+STRATEGY_NAME = "fsdp2"
+
+# The ModuleLists that hold a family's blocks: XCiT (``blocks``, ``cls_attn_blocks``), CaiT (``blocks``,
+# timm's ``blocks_token_only``), ViT and BiXT (``blocks``), CrossFormer++ (``layers[i].blocks``, per stage).
+BLOCK_LISTS = ("blocks", "cls_attn_blocks", "blocks_token_only")
+# A backbone's methods that read its root unit's parameters besides ``forward`` (ours and timm's); FSDP2
+# gathers them only around the methods it knows of.
+FORWARD_METHODS = (
+    "forward_features",
+    "forward_head",
+    "forward_cls_patches",
+    "forward_patch_tokens",
+    "forward_intermediates",
+    "get_intermediate_layers",
+    "get_intermediate_cls",
+    "get_attention_maps",
+)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` as pure FSDP2: one data-parallel mesh dimension over every process (the
+    parent's default puts the processes of a node on the tensor-parallel dimension). It runs on CPU with
+    gloo as on CUDA with NCCL: the parent picks the backend from the device and builds the mesh on it.
+
+    Args:
+        save_distributed_checkpoint: ``True`` writes a folder of per-rank shards (torch distributed
+            checkpoint); ``False`` gathers the whole state on rank 0 into one file.
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(self, save_distributed_checkpoint: bool = True, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        if self._tensor_parallel_size == "auto":
+            self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    @property
+    def data_parallel_mesh(self) -> Any:
+        """The 1-D mesh the networks are sharded over."""
+        return self.device_mesh["data_parallel"]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # A network that ran a forward with no backward since (the EMA teacher, a validation pass) keeps its
+        # root unit gathered; the state dict must see the shards.
+        reshard(self.lightning_module)
+        return super().lightning_module_state_dict()
+
+
+def register_strategy() -> None:
+    """``--trainer.strategy fsdp2`` (idempotent: importing this module registers it)."""
+    if STRATEGY_NAME not in StrategyRegistry:
+        StrategyRegistry.register(
+            STRATEGY_NAME, FSDP2Strategy, description="FSDP2 (fully_shard per block) over all processes"
+        )
+
+
+register_strategy()
+
+
+def is_fsdp2(trainer: Any) -> bool:
+    """Whether ``trainer`` (or None) trains under :class:`FSDP2Strategy`."""
+    return trainer is not None and isinstance(trainer.strategy, FSDP2Strategy)
+
+
+def blocks(backbone: nn.Module) -> list[nn.Module]:
+    """The backbone's transformer blocks, in order: every item of a ``ModuleList`` or ``Sequential`` (timm) named in ``BLOCK_LISTS``,
+    at any depth (CrossFormer++'s stages each hold one)."""
+    found = []
+    for name, module in backbone.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS:
+            found.extend(module)
+    return found
+
+
+def _policy(precision: str) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":  # DINOv3: bf16 compute, float32 gradient reduction and master weights
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_backbone(backbone: nn.Module, mesh: Any, policy: Any) -> None:
+    """One unit per block, then the backbone's own unit (stem, positional terms, norms) around ``forward``
+    and every method in ``FORWARD_METHODS``. A backbone with no block list is one unit as a whole."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for block in blocks(backbone):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(backbone, mesh=mesh, mp_policy=policy)
+    for method in FORWARD_METHODS:
+        if callable(getattr(backbone, method, None)):
+            register_fsdp_forward_method(backbone, method)
+
+
+def _backbones(module: nn.Module) -> list[nn.Module]:
+    """The backbones of a DINO module: student's, teacher's (EMA or frozen distillation teacher), Gram's."""
+    nets = [getattr(module, name, None) for name in ("student", "teacher", "gram_teacher")]
+    return [
+        net.backbone
+        for net in nets
+        if net is not None and isinstance(getattr(net, "backbone", None), nn.Module)
+    ]
+
+
+def shard_module(module: nn.Module, mesh: Any, precision: str) -> None:
+    """Shard every network of a DINO module over ``mesh`` (``configure_model`` under ``fsdp2``).
+
+    The backbones go per block (:func:`shard_backbone`); every other module that holds parameters directly
+    (the heads' linear layers, a distillation projection) becomes a unit of its own, so it is gathered by
+    its own ``forward`` however the step calls it. Student and teacher have the same structure, hence the
+    same units and the same shards on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    if getattr(module.hparams, "compile", False):
+        raise UserError(
+            "compile is not supported under --trainer.strategy fsdp2 yet; set --model.compile false"
+        )
+    policy = _policy(str(module.trainer.precision))
+    for backbone in _backbones(module):
+        shard_backbone(backbone, mesh, policy)
+    for sub in reversed(list(module.modules())):  # innermost first: each module its own unit
+        own = [p for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)]
+        if own:
+            fully_shard(sub, mesh=mesh, mp_policy=policy)
+    left = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
+    if left:  # cannot happen with the rule above; a silent replica would train without gradient reduction
+        raise RuntimeError(f"parameters left unsharded under fsdp2: {left[:5]}")
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit in ``module`` (a no-op for unsharded ones). A root
+    unit stays gathered after a forward that no backward follows (the teacher's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+def local_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s parameters as this rank holds them: the local shards under FSDP2 (after resharding),
+    the tensors themselves otherwise. Networks sharded alike give lists of equal shapes, element by element."""
+    reshard(module)
+    return [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+
+
+def local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each tensor's local shard (DTensor) or the tensor itself; in place edits reach the DTensor."""
+    for t in tensors:
+        yield t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of each whole tensor, stacked. Sharded tensors (DTensors over one mesh) sum their local
+    squared norms over the mesh in one all-reduce; plain tensors take ``torch._foreach_norm``."""
+    local = list(local_tensors(tensors))
+    norms = torch.stack(torch._foreach_norm(local, 2.0))
+    sharded = [isinstance(t, DTensor) for t in tensors]
+    if not any(sharded):
+        return norms
+    if not all(sharded) or any(t.placements != tensors[0].placements for t in tensors):
+        raise RuntimeError("per-tensor norms need all tensors sharded alike")
+    squares = norms.float().square()
+    dist.all_reduce(squares, group=tensors[0].device_mesh.get_group())
+    return squares.sqrt().to(norms.dtype)
