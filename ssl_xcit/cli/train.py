@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from ssl_xcit.cli.errors import ShortErrorParser
 from ssl_xcit.cli.quiet import cap_workers, install_filters
 from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, inherited_run_dir, place_run
+from ssl_xcit.models.sharded import is_checkpoint
 
 PREEMPTION = "ssl_xcit.dino.preemption.PreemptionCheckpoint"
 
@@ -140,7 +141,7 @@ def fit_summary(trainer: Any, run_dir: Path | None) -> str:
         if not isinstance(callback, ModelCheckpoint) or not callback.dirpath:
             continue
         folder = Path(callback.dirpath)
-        if (folder / "last.ckpt").is_file():
+        if is_checkpoint(folder / "last.ckpt"):
             last = folder / "last.ckpt"
         kept = sorted(p for p in folder.glob("*.ckpt") if p.name != "last.ckpt")
     lines = [f"run folder: {_short(run_dir)}" if run_dir else "run folder: none (no run folder was set)"]

@@ -15,7 +15,9 @@ Not supported: ``compile`` (DINOv3 compiles per block; untested here) and tensor
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from ssl_xcit.errors import UserError
 
 STRATEGY_NAME = "fsdp2"
+WHOLE_NAME = "fsdp2_whole"
 
 # The ModuleLists that hold a family's blocks: XCiT (``blocks``, ``cls_attn_blocks``), CaiT (``blocks``,
 # timm's ``blocks_token_only``), ViT and BiXT (``blocks``), CrossFormer++ (``layers[i].blocks``, per stage).
@@ -72,6 +75,24 @@ class FSDP2Strategy(ModelParallelStrategy):
         """The 1-D mesh the networks are sharded over."""
         return self.device_mesh["data_parallel"]
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """A sharded checkpoint is written whole or not at all: into ``<path>.partial`` by every rank, then
+        renamed over ``<path>`` by rank 0 (the old folder is removed only once the new one is in place). A
+        one-file checkpoint goes through the checkpoint IO (atomic: ``ssl_xcit.dino.checkpointing``)."""
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + ".partial")
+        if self.global_rank == 0 and partial.exists():  # left by a run killed mid-write
+            shutil.rmtree(partial)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            _replace(partial, path)
+        self.barrier()
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # A network that ran a forward with no backward since (the EMA teacher, a validation pass) keeps its
         # root unit gathered; the state dict must see the shards.
@@ -79,11 +100,34 @@ class FSDP2Strategy(ModelParallelStrategy):
         return super().lightning_module_state_dict()
 
 
+def _replace(new: Path, path: Path) -> None:
+    """Put the folder ``new`` at ``path``; an old folder there is moved aside first and removed last, so a
+    kill at any point leaves a whole checkpoint (``path``, or ``path.old`` for an instant)."""
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.is_dir():
+        path.rename(old)
+    elif path.exists():
+        path.unlink()
+    new.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
 def register_strategy() -> None:
-    """``--trainer.strategy fsdp2`` (idempotent: importing this module registers it)."""
+    """``--trainer.strategy fsdp2`` (sharded checkpoints) and ``fsdp2_whole`` (one-file checkpoints);
+    idempotent: importing this module registers them."""
     if STRATEGY_NAME not in StrategyRegistry:
         StrategyRegistry.register(
-            STRATEGY_NAME, FSDP2Strategy, description="FSDP2 (fully_shard per block) over all processes"
+            STRATEGY_NAME, FSDP2Strategy, description="FSDP2 (fully_shard per block), sharded checkpoints"
+        )
+    if WHOLE_NAME not in StrategyRegistry:
+        StrategyRegistry.register(
+            WHOLE_NAME,
+            FSDP2Strategy,
+            description="FSDP2 (fully_shard per block), one-file checkpoints",
+            save_distributed_checkpoint=False,
         )
 
 
@@ -197,3 +241,23 @@ def tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     squares = norms.float().square()
     dist.all_reduce(squares, group=tensors[0].device_mesh.get_group())
     return squares.sqrt().to(norms.dtype)
+
+
+def load_whole_state(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """``module.load_state_dict(state)`` for a whole (unsharded) ``state`` that every rank holds; under FSDP2
+    each rank keeps its own slice of every tensor (``set_model_state_dict``)."""
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        module.load_state_dict(state, strict=strict)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reshard(module)
+    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict with whole tensors: FSDP2's shards gathered (every rank must call it), plain
+    tensors as they are; detached copies."""
+    reshard(module)
+    state = module.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}

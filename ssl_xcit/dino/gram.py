@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ssl_xcit.dino.fsdp import local_tensors, reshard
+from ssl_xcit.dino.fsdp import load_whole_state, local_tensors, reshard
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import MASKING_FAMILIES
 
@@ -282,7 +282,7 @@ def read_gram_source(module: Any) -> None:
         gram.source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
     )
     with torch.no_grad():
-        gram.backbone.load_state_dict(state, strict=True)
+        load_whole_state(gram.backbone, state, strict=True)
     gram.initialised = True
     rank_zero_info(f"gram_teacher {gram.source}: loaded its teacher backbone")
 

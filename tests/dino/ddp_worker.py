@@ -160,6 +160,8 @@ def run(
         collate_fn=collate_train,
     )
     trainer.fit(model, loader)
+    if strategy == "fsdp2" and world_size > 1:  # the sharded checkpoint of the run's end, for its readers
+        trainer.save_checkpoint(Path(out_dir) / "last.ckpt")
     result = {
         "losses": record.losses,
         "indices": record.indices,
@@ -178,13 +180,9 @@ def run(
 
 def whole_state(network: torch.nn.Module) -> dict:
     """``network``'s state dict as whole tensors (FSDP2's shards gathered; every rank takes part)."""
-    from torch.distributed.tensor import DTensor
+    from ssl_xcit.dino.fsdp import whole_state_dict
 
-    from ssl_xcit.dino.fsdp import reshard
-
-    reshard(network)
-    state = network.state_dict()
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+    return whole_state_dict(network)
 
 
 MODES = {
