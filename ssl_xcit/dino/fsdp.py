@@ -27,13 +27,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ssl_xcit.errors import UserError
+from ssl_xcit.models.activation_checkpointing import blocks
 
 STRATEGY_NAME = "fsdp2"
 WHOLE_NAME = "fsdp2_whole"
 
-# The ModuleLists that hold a family's blocks: XCiT (``blocks``, ``cls_attn_blocks``), CaiT (``blocks``,
-# timm's ``blocks_token_only``), ViT and BiXT (``blocks``), CrossFormer++ (``layers[i].blocks``, per stage).
-BLOCK_LISTS = ("blocks", "cls_attn_blocks", "blocks_token_only")
 # A backbone's methods that read its root unit's parameters besides ``forward`` (ours and timm's); FSDP2
 # gathers them only around the methods it knows of.
 FORWARD_METHODS = (
@@ -137,16 +135,6 @@ register_strategy()
 def is_fsdp2(trainer: Any) -> bool:
     """Whether ``trainer`` (or None) trains under :class:`FSDP2Strategy`."""
     return trainer is not None and isinstance(trainer.strategy, FSDP2Strategy)
-
-
-def blocks(backbone: nn.Module) -> list[nn.Module]:
-    """The backbone's transformer blocks, in order: every item of a ``ModuleList`` or ``Sequential`` (timm) named in ``BLOCK_LISTS``,
-    at any depth (CrossFormer++'s stages each hold one)."""
-    found = []
-    for name, module in backbone.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS:
-            found.extend(module)
-    return found
 
 
 def _policy(precision: str) -> Any:

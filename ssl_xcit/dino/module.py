@@ -55,6 +55,7 @@ from ssl_xcit.dino.step import (
 from ssl_xcit.dino.step_checks import FiniteWatch, HostAgreement
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
+from ssl_xcit.models.activation_checkpointing import enable_activation_checkpointing
 
 
 def _floats(pair: tuple[Any, Any] | None) -> tuple[float, float] | None:
@@ -106,6 +107,8 @@ class DINO(DINOLifecycle):
             the reference does (``AllReduceBatchNorm``); leave ``Trainer(sync_batchnorm=...)`` off (torch's
             SyncBatchNorm cannot run on CPU/gloo, and reads the host in every forward on CUDA).
         compile: ``torch.compile`` the two backbones (in place: checkpoint keys unchanged).
+        activation_checkpointing: recompute each student block's activations in the backward instead of keeping
+            them (``ssl_xcit.models.activation_checkpointing``): memory for compute, docs/benchmarks.md.
         collapse_guard: ``warn`` once, or ``stop`` the run, when the teacher holds a collapse mode for
             ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.dino.collapse``);
             ``off`` disables it.
@@ -190,6 +193,7 @@ class DINO(DINOLifecycle):
         accumulate_grad_batches: int = 1,
         sync_batchnorm: bool = True,
         compile: bool = False,
+        activation_checkpointing: bool = False,
         collapse_guard: Literal["warn", "stop", "off"] = "warn",
         collapse_patience: int = 50,
         collapse_grace_steps: int = 100,
@@ -239,6 +243,8 @@ class DINO(DINOLifecycle):
             patch_out_dim=(ibot_out_dim if ibot_separate_head else None) if self.ibot else None,
             masking=self.ibot,
         )
+        if activation_checkpointing:  # the student only: the teachers run without gradients
+            enable_activation_checkpointing(self.student.backbone)
         self.dino_loss = DINOLoss(
             out_dim,
             warmup_teacher_temp=warmup_teacher_temp,

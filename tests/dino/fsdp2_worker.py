@@ -1,7 +1,8 @@
 """Tiny DINO runs of every backbone family under DDP and FSDP2 in one 2-process launch:
 ``python fsdp2_worker.py OUT_DIR CASE[,CASE...]``, each CASE written to OUT_DIR/<case>/<strategy>/rank<r>.pt.
 
-A case is a backbone family (``CASES``) or a DINO option on XCiT (Gram anchoring, iBOT, bf16-mixed). Both
+A case is a backbone family (``CASES``) or a DINO option on XCiT (Gram anchoring, iBOT, bf16-mixed, activation
+checkpointing). Both
 strategies see the same pixels (``ddp_worker.FixedCrops``-style, deterministic) from the same seed, so their
 results agree within float32 reduction order (``test_fsdp2.py``).
 """
@@ -38,6 +39,7 @@ CASES: dict[str, tuple[str, dict, tuple[int, ...], dict[str, Any]]] = {
     ),
     "ibot": ("xcit_nano_12_p8", {"depth": 1}, (16, 16, 8, 8), {"ibot_loss_weight": 1.0}),
     "bf16": ("xcit_nano_12_p8", {"depth": 1}, (16, 16, 8, 8), {}),
+    "ac": ("xcit_nano_12_p8", {"depth": 1}, (16, 16, 8, 8), {"activation_checkpointing": True}),
 }
 
 

@@ -41,7 +41,7 @@ def test_each_family_is_sharded_block_by_block(name, kwargs, expected):
 @pytest.fixture(scope="module")
 def family_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2")
-    torchrun(WORKER, str(out), "cait,vit,crossformerpp,bixt,gram,ibot,bf16", timeout=900)
+    torchrun(WORKER, str(out), "xcit,cait,vit,crossformerpp,bixt,gram,ibot,bf16,ac", timeout=1200)
     return out
 
 
@@ -78,3 +78,16 @@ def test_fsdp2_bf16_mixed_computes_in_bf16_and_keeps_float32_master_weights(fami
         assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=2e-2)
         for key, value in ddp["student"].items():
             torch.testing.assert_close(fsdp["student"][key], value, rtol=0.05, atol=5e-3, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_activation_checkpointing_under_ddp_and_fsdp2_equals_the_run_without(family_runs):
+    """XCiT (BatchNorms synchronised across ranks inside its blocks) with checkpointed blocks, under DDP and
+    under FSDP2, ends where DDP without checkpointing does."""
+    for (plain, _), (ddp, fsdp) in zip(_pair(family_runs, "xcit"), _pair(family_runs, "ac"), strict=True):
+        for run in (ddp, fsdp):
+            assert run["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+            for network in ("student", "teacher"):
+                for key, value in plain[network].items():
+                    torch.testing.assert_close(run[network][key], value, rtol=1e-5, atol=1e-7, msg=key)
