@@ -61,6 +61,9 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^python tests/invariants/matrix\.py ", "tests/invariants/test_matrix.py runs it (the whole matrix: slow)"),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO, *_SHALLOW, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO, *_SHALLOW]),
+    (r"^ssl-xcit fit -c recipes/quickstart\.yaml --trainer\.strategy fsdp2 --trainer\.devices 2$", "tests/cli/test_fsdp2_cli.py runs it on 2 processes (minutes: marked slow)"),
+    (r"^ssl-xcit gather-checkpoint ", "tests/dino/test_fsdp2_checkpoints.py runs it on the sharded folder of a 2-process run"),
+    (r"^ssl-xcit fit -c recipes/quickstart\.yaml --model\.activation_checkpointing true$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/activation_checkpointing"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --model\.init_from teacher\.safetensors$", [*_TRAIN, *_DINO, *_SHALLOW, "--run_dir", "runs/init_from"]),
     # timm's 12 blocks (the page clears the depth cut), read from the local file _workspace writes for the name
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --model\.init_from timm:\S+ --model\.backbone_kwargs \{\}$", [*_TRAIN, *_DINO, "--run_dir", "runs/init_from_timm"]),

@@ -3,6 +3,7 @@
     ssl-xcit fit -c recipes/quickstart.yaml          # DINO pretraining (LightningCLI)
     ssl-xcit validate -c recipes/quickstart.yaml --ckpt_path last
     ssl-xcit export CKPT OUT.safetensors               # teacher backbone (.safetensors, .pth, .onnx, .pt2)
+    ssl-xcit gather-checkpoint DIR OUT.ckpt            # a sharded (FSDP2) checkpoint as one file
     ssl-xcit knn --weights W --train DIR --val DIR     # weighted k-NN on frozen features
     ssl-xcit linear --weights W --train DIR --val DIR  # linear probe
     ssl-xcit segment --weights W --train DIR --val DIR  # linear segmentation probe (mIoU)
@@ -26,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("ssl_xcit.cli.train", "main"),
     "validate": ("ssl_xcit.cli.train", "main"),
     "export": ("ssl_xcit.cli.export", "main"),
+    "gather-checkpoint": ("ssl_xcit.cli.gather", "main"),
     "knn": ("ssl_xcit.cli.knn", "main"),
     "linear": ("ssl_xcit.cli.linear", "main"),
     "segment": ("ssl_xcit.cli.segment", "main"),

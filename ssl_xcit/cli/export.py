@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ssl_xcit.errors import UserError
+from ssl_xcit.models.sharded import is_checkpoint
 from ssl_xcit.utils.io import atomic_torch_save, owner_only
 
 TEACHER_PREFIX = "teacher.backbone."
@@ -54,7 +55,7 @@ def teacher_backbone(checkpoint_path: str | Path) -> tuple[torch.nn.Module, str,
     from ssl_xcit.models import create_model, read_checkpoint
 
     checkpoint_path = Path(checkpoint_path)
-    if not checkpoint_path.is_file():
+    if not is_checkpoint(checkpoint_path):  # a file, or a folder of FSDP2 shards
         raise FileNotFoundError(f"checkpoint {checkpoint_path} does not exist")
     checkpoint = read_checkpoint(checkpoint_path)
     state = teacher_backbone_state(checkpoint, str(checkpoint_path))

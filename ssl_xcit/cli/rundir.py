@@ -37,6 +37,7 @@ from fsspec.utils import get_protocol
 
 from ssl_xcit.cli.launchers import Launcher, _safe_name, agree, detect_launcher, scheduler_launcher
 from ssl_xcit.errors import UserError
+from ssl_xcit.models.sharded import is_checkpoint
 from ssl_xcit.utils.io import make_dir, owner_only
 
 RUN_DIR_ENV = "SSL_XCIT_RUN_DIR"
@@ -85,7 +86,7 @@ def latest_resumable(root: Path) -> Path | None:
     """The highest-numbered run under ``root`` that has ``checkpoints/last.ckpt``, or None."""
     for number in sorted(versions(root), reverse=True):
         run = root / f"version_{number}"
-        if (run / "checkpoints" / LAST).is_file():
+        if is_checkpoint(run / "checkpoints" / LAST):
             return run
     return None
 
@@ -161,7 +162,7 @@ def place_run(
     elif run_dir:
         run, message, fresh = Path(run_dir).expanduser(), None, False
         run.mkdir(parents=True, exist_ok=True)
-        if subcommand == "fit" and _slurm_restarts() > 0 and (run / "checkpoints" / LAST).is_file():
+        if subcommand == "fit" and _slurm_restarts() > 0 and is_checkpoint(run / "checkpoints" / LAST):
             ckpt_path, message = "last", f"SLURM job requeued: resuming {run} from its {LAST}"
     else:
         launcher = detect_launcher(num_nodes=int(getattr(trainer, "num_nodes", 1) or 1))
@@ -239,7 +240,7 @@ def requeued_run(root: Path, subcommand: str, env: Mapping[str, str] | None = No
         return None
     run = Path(json.loads(record.read_text())["run"])
     restarts = _slurm_restarts(env)
-    if not (run / "checkpoints" / LAST).is_file():
+    if not is_checkpoint(run / "checkpoints" / LAST):
         message = f"SLURM job requeued ({restarts}x) before its first checkpoint: starting again in {run}"
         return {"run": str(run), "message": message, "fresh": False}
     message = f"SLURM job requeued ({restarts}x): resuming {run} from its {LAST}"

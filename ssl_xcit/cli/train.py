@@ -28,9 +28,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+import ssl_xcit.trainer.fsdp  # noqa: F401 - registers --trainer.strategy fsdp2 and fsdp2_whole
 from ssl_xcit.cli.errors import ShortErrorParser
 from ssl_xcit.cli.quiet import cap_workers, install_filters
 from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, inherited_run_dir, place_run
+from ssl_xcit.models.sharded import is_checkpoint
 
 PREEMPTION = "ssl_xcit.trainer.preemption.PreemptionCheckpoint"
 
@@ -140,7 +142,7 @@ def fit_summary(trainer: Any, run_dir: Path | None) -> str:
         if not isinstance(callback, ModelCheckpoint) or not callback.dirpath:
             continue
         folder = Path(callback.dirpath)
-        if (folder / "last.ckpt").is_file():
+        if is_checkpoint(folder / "last.ckpt"):
             last = folder / "last.ckpt"
         kept = sorted(p for p in folder.glob("*.ckpt") if p.name != "last.ckpt")
     lines = [f"run folder: {_short(run_dir)}" if run_dir else "run folder: none (no run folder was set)"]

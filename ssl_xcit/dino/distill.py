@@ -189,11 +189,14 @@ class Distill(DINO):
             self.student_ema.train(False)  # never run forward in training; evaluated in eval mode
 
     def configure_model(self) -> None:
+        from ssl_xcit.trainer.fsdp import is_fsdp2, shard_module
         from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
 
         world_size = self.trainer.world_size
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self.student):
             self.student = convert_sync_batchnorm(self.student)
+        if is_fsdp2(self.trainer):
+            shard_module(self, self.trainer.strategy.data_parallel_mesh, str(self.trainer.precision))
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.backbone.compile(dynamic=False)

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import PATCH_TOKEN_FAMILIES
+from ssl_xcit.trainer.fsdp import load_whole_state, local_tensors, reshard
 
 # Gram-matrix bytes per chunk of images (float32). Below it a batch is one chunk (no recomputation); above it
 # the peak of the term is a few chunks, whatever the batch.
@@ -239,10 +240,13 @@ class GramTeacher(nn.Module):
             self.refreshes = self.refreshes_due(step)
 
     def _copy_from(self, teacher_backbone: nn.Module) -> None:
-        # Parameters and every buffer, the non-persistent ones too.
+        # Parameters and every buffer, the non-persistent ones too; under FSDP2 shard by shard (both are
+        # sharded alike: ssl_xcit.trainer.fsdp).
+        reshard(teacher_backbone)
         source = {**dict(teacher_backbone.named_parameters()), **dict(teacher_backbone.named_buffers())}
         own = {**dict(self.backbone.named_parameters()), **dict(self.backbone.named_buffers())}
-        torch._foreach_copy_([t.data for t in own.values()], [source[k].detach() for k in own])
+        targets = [t.data for t in local_tensors(own.values())]
+        torch._foreach_copy_(targets, [t.detach() for t in local_tensors(source[k] for k in own)])
 
     def get_extra_state(self) -> torch.Tensor:
         return torch.tensor([int(self.initialised), self.refreshes], dtype=torch.int64)
@@ -289,6 +293,14 @@ def build_gram_teacher(hp: Mapping[str, Any], student: nn.Module, teacher: nn.Mo
     )
 
 
+def gram_weight(gram: GramTeacher | None, schedules: Any, step: int) -> float:
+    """The Gram term's weight at ``step``: the precomputed ramp (``schedules``) while fitting, the full weight
+    from ``gram_start_step`` outside a fit (as the iBOT weight); 0 without a Gram teacher held."""
+    if gram is None or not gram.initialised:
+        return 0.0
+    return gram.weight_at(step) if schedules is None else schedules.gram_weight_at(step)
+
+
 def read_gram_source(module: Any) -> None:
     """``on_fit_start``: read the fixed Gram teacher (``gram_teacher``, any SOURCE ``--model.init_from`` reads:
     its teacher backbone) into a run whose checkpoint does not hold it yet: a fresh run, or one resumed with the
@@ -303,7 +315,7 @@ def read_gram_source(module: Any) -> None:
         source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
     )
     with torch.no_grad():
-        gram.backbone.load_state_dict(state, strict=True)
+        load_whole_state(gram.backbone, state, strict=True)
     gram.initialised = True
     gram.refreshes = gram.refreshes_due(int(module.global_step))  # a resumed run's past ones count as spent
     rank_zero_info(f"gram_teacher {source}: loaded its teacher backbone")

@@ -49,6 +49,8 @@ from ssl_xcit.models.checkpoint import (
     read_checkpoint,
 )
 from ssl_xcit.models.registry import resolve
+from ssl_xcit.models.sharded import is_checkpoint
+from ssl_xcit.trainer.fsdp import load_whole_state
 
 TIMM_PREFIX = "timm:"
 # Optimiser steps during which a fresh head trains alone on a pretrained backbone (init_head_warmup_steps=None).
@@ -202,9 +204,10 @@ def read_source(source: str, option: str = "--model.init_from") -> InitWeights:
 
 def read_source_file(source: str, option: str = "--model.init_from") -> Mapping[str, Any]:
     """The checkpoint in the file SOURCE; one-line ``UserError`` for a missing file."""
-    if not Path(source).is_file():
+    if not is_checkpoint(source):
         raise UserError(
-            f"{option} {source}: file not found (a .ckpt, .safetensors or .pth, or timm:NAME[@FILE])"
+            f"{option} {source}: file not found (a .ckpt, .safetensors or .pth, a folder of FSDP2 shards, or "
+            "timm:NAME[@FILE])"
         )
     return read_checkpoint(source)
 
@@ -325,7 +328,7 @@ def apply_weights(module: Any, weights: InitWeights) -> dict[str, bool]:
         centres.append((loss.center, weights.centres[key]))
     with torch.no_grad():
         for target, state in plan:
-            target.load_state_dict(state, strict=False)  # checked above: only may-be-fresh keys are absent
+            load_whole_state(target, state, strict=False)  # checked above: only may-be-fresh keys are absent
         for centre, value in centres:
             centre.copy_(value)
     loaded["centres"] = bool(centres)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 
 from ssl_xcit.data.datasets import EmptyBatch
-from ssl_xcit.dino.gram import build_gram_teacher, gram_crops_from_batch
+from ssl_xcit.dino.gram import build_gram_teacher, gram_crops_from_batch, gram_weight
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.init_from import check_init_settings
@@ -46,6 +46,7 @@ from ssl_xcit.dino.step import (
 )
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
+from ssl_xcit.models.activation_checkpointing import enable_activation_checkpointing
 from ssl_xcit.trainer.lifecycle import DINOLifecycle
 from ssl_xcit.trainer.step_checks import FiniteWatch, HostAgreement
 
@@ -96,6 +97,8 @@ class DINO(DINOLifecycle):
             the reference does (``AllReduceBatchNorm``); leave ``Trainer(sync_batchnorm=...)`` off (torch's
             SyncBatchNorm cannot run on CPU/gloo, and reads the host in every forward on CUDA).
         compile: ``torch.compile`` the two backbones (in place: checkpoint keys unchanged).
+        activation_checkpointing: recompute each student block's activations in the backward instead of keeping
+            them (``ssl_xcit.models.activation_checkpointing``): memory for compute, docs/benchmarks.md.
         collapse_guard: ``warn`` once, or ``stop`` the run, when the teacher holds a collapse mode for
             ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.trainer.collapse``);
             ``off`` disables it.
@@ -182,6 +185,7 @@ class DINO(DINOLifecycle):
         accumulate_grad_batches: int = 1,
         sync_batchnorm: bool = True,
         compile: bool = False,
+        activation_checkpointing: bool = False,
         collapse_guard: Literal["warn", "stop", "off"] = "warn",
         collapse_patience: int = 50,
         collapse_grace_steps: int = 100,
@@ -231,6 +235,8 @@ class DINO(DINOLifecycle):
             patch_out_dim=(ibot_out_dim if ibot_separate_head else None) if self.ibot else None,
             masking=self.ibot,
         )
+        if activation_checkpointing:  # the student only: the teachers run without gradients
+            enable_activation_checkpointing(self.student.backbone)
         self.dino_loss = DINOLoss(
             out_dim,
             warmup_teacher_temp=warmup_teacher_temp,
@@ -358,15 +364,7 @@ class DINO(DINOLifecycle):
         """Gram anchoring's snapshot or refresh before ``step``'s forward, and the step's weight (host only)."""
         if self.gram_teacher is not None:
             self.gram_teacher.update(self.teacher.backbone, step)
-        self.gram_weight_now = self._gram_weight(step)
-
-    def _gram_weight(self, step: int) -> float:
-        """The Gram term's weight at ``step``: the precomputed ramp while fitting, the full weight from
-        ``gram_start_step`` outside a fit (as the iBOT weight); 0 without a Gram teacher held."""
-        gram = self.gram_teacher
-        if gram is None or not gram.initialised:
-            return 0.0
-        return gram.weight_at(step) if self.schedules is None else self.schedules.gram_weight_at(step)
+        self.gram_weight_now = gram_weight(self.gram_teacher, self.schedules, step)
 
     def _readable_crops(self, batch: Any, skip_single_view: bool = False) -> list[torch.Tensor] | None:
         """The batch's crops, or None on every rank when any rank has no readable image (EmptyBatch or None)
@@ -407,7 +405,7 @@ class DINO(DINOLifecycle):
         crops = self._readable_crops(batch, skip_single_view=True)
         if crops is None:
             return None
-        self.gram_weight_now = self._gram_weight(self.trained_step)
+        self.gram_weight_now = gram_weight(self.gram_teacher, self.schedules, self.trained_step)
         masks = None
         if self.ibot:  # a stream of its own (the trailing 1): validation never replays a training draw
             seed = [torch.initial_seed() % 2**63, self.global_rank, self.trained_step, batch_idx, 1]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ssl_xcit.errors import UserError
+from ssl_xcit.trainer.fsdp import local_tensors, tensor_norms
 
 OPTIMIZERS = ("adamw", "sgd", "lars")
 
@@ -156,9 +157,9 @@ def clip_gradients(model: nn.Module, clip: float) -> torch.Tensor:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(0)
-    norms = torch.stack(torch._foreach_norm(grads, 2.0))
+    norms = tensor_norms(grads)  # whole-tensor norms of sharded (FSDP2) gradients too
     coefs = (clip / (norms + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, list(coefs.unbind()))
+    torch._foreach_mul_(list(local_tensors(grads)), list(coefs.unbind()))
     return norms
 
 

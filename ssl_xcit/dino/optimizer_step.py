@@ -25,6 +25,7 @@ from torch import nn
 
 from ssl_xcit.dino.init_from import drop_backbone_gradients, head_warmup_steps
 from ssl_xcit.dino.optim import cancel_gradients_last_layer, clip_gradients
+from ssl_xcit.trainer.fsdp import local_parameters
 
 
 def gradient_sync(trainer: Any, sync: bool) -> Any:
@@ -110,7 +111,8 @@ def window_step(module: Any, opt: Any, momentum: float, reduce: bool) -> None:
 @torch.no_grad()
 def ema_update(teacher: nn.Module, student: nn.Module, momentum: float) -> None:
     """teacher <- m * teacher + (1 - m) * student, over parameters only (buffers are not averaged)."""
-    teacher_params = list(teacher.parameters())
-    student_params = [p.detach() for p in student.parameters()]
+    # Local shards under FSDP2 (student and teacher are sharded alike): no gather.
+    teacher_params = local_parameters(teacher)
+    student_params = [p.detach() for p in local_parameters(student)]
     torch._foreach_mul_(teacher_params, momentum)
     torch._foreach_add_(teacher_params, student_params, alpha=1.0 - momentum)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from ssl_xcit.errors import UserError
+from ssl_xcit.models.sharded import is_checkpoint
 
 __all__ = ["build_eval_backbone"]
 
@@ -25,7 +25,7 @@ def build_eval_backbone(weights: str | os.PathLike | None, arch: str | None, see
         if arch is None:
             raise UserError("give --weights, or --arch NAME to evaluate a randomly initialised backbone")
         torch.manual_seed(seed)
-    elif not Path(weights).is_file():
+    elif not is_checkpoint(weights):
         raise FileNotFoundError(f"weights file not found: {weights}")
     model = build_backbone(None if weights is None else str(weights), arch)
     model.requires_grad_(False)

@@ -33,6 +33,7 @@ import torch
 import torchvision
 from torch import nn
 
+from ssl_xcit.models.sharded import is_sharded_checkpoint
 from ssl_xcit.utils.io import atomic_torch_save, owner_only, sha256_file, sha256_json
 
 __all__ = [
@@ -132,6 +133,9 @@ def checkpoint_fingerprint(weights: str | os.PathLike | None) -> str | None:
     if weights is None:
         return None
     path = Path(weights)
+    if is_sharded_checkpoint(path):  # a folder of FSDP2 shards: the hash of its files' names and hashes
+        parts = [f"{p.name}:{checkpoint_fingerprint(p)}" for p in sorted(path.iterdir()) if p.is_file()]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
     if not path.is_file():
         raise FileNotFoundError(f"weights file not found: {path}")
     st = path.stat()

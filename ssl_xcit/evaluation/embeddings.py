@@ -21,6 +21,7 @@ from ssl_xcit.evaluation.cached import dataset_features
 from ssl_xcit.evaluation.checks import check_not_empty
 from ssl_xcit.evaluation.embedding_files import embedding_format, output_files, write_embeddings
 from ssl_xcit.evaluation.features import FeatureConfig
+from ssl_xcit.models.sharded import is_checkpoint
 
 __all__ = ["FEATURES", "feature_config", "embed_images"]
 
@@ -94,7 +95,7 @@ def embed_images(
 
     _check_output(output, overwrite)
     config = feature_config(feature, n_last_blocks)
-    if weights is not None and not Path(weights).is_file():
+    if weights is not None and not is_checkpoint(weights):
         raise FileNotFoundError(f"weights file not found: {weights}")
     if weights is None and arch is None:
         raise UserError("give --weights, or --arch NAME to embed with a randomly initialised backbone")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from ssl_xcit.evaluation.checks import check_not_empty, check_same_classes
 from ssl_xcit.evaluation.features import FeatureConfig
 from ssl_xcit.evaluation.knn import BACKENDS, DEFAULT_KS, DEFAULT_TEMPERATURE, knn_accuracy
 from ssl_xcit.evaluation.report import format_knn_table
+from ssl_xcit.models.sharded import is_checkpoint
 
 
 def _is_rank_zero() -> bool:
@@ -73,7 +73,7 @@ def evaluate_knn(
 
     if backend not in BACKENDS:
         raise UserError(f"unknown k-NN backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-    if weights is not None and not Path(weights).is_file():
+    if weights is not None and not is_checkpoint(weights):
         raise FileNotFoundError(f"weights file not found: {weights}")
     if weights is None and arch is None:
         raise UserError("give --weights, or --arch NAME to evaluate a randomly initialised backbone")

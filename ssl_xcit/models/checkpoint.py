@@ -93,8 +93,11 @@ def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, A
         the file, the refused content and ``--trust-checkpoint`` when the safe load refuses it.
     """
     from ssl_xcit.models.export import is_safetensors, read_safetensors
+    from ssl_xcit.models.sharded import is_sharded_checkpoint, read_sharded_checkpoint
 
     path = Path(path)
+    if is_sharded_checkpoint(path):  # a folder of FSDP2 shards (ssl_xcit.models.sharded)
+        return read_sharded_checkpoint(path, trust)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
     if path.suffix.lower() in _PROGRAMS:

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ssl_xcit.errors import UserError
+from ssl_xcit.models.sharded import is_checkpoint
 from ssl_xcit.utils.io import atomic_torch_save, owner_only
 
 
@@ -120,13 +121,13 @@ def last_checkpoint(trainer: Trainer) -> str | None:
     candidates = []
     for cb in trainer.checkpoint_callbacks:
         for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
-            if path and Path(path).is_file():
+            if path and is_checkpoint(path):
                 candidates.append(Path(path))
         # A callback names its next file before writing it: the files already in its folder count too.
         folder = getattr(cb, "dirpath", None)
         if folder and Path(folder).is_dir():
-            candidates.extend(p for p in Path(folder).glob("*.ckpt") if p.is_file())
-    if trainer.ckpt_path and Path(trainer.ckpt_path).is_file():
+            candidates.extend(p for p in Path(folder).glob("*.ckpt") if is_checkpoint(p))
+    if trainer.ckpt_path and is_checkpoint(trainer.ckpt_path):
         candidates.append(Path(trainer.ckpt_path))
     if not candidates:
         return None

@@ -15,6 +15,7 @@ from ssl_xcit.dino.optimizer_step import scaler_in_use
 from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
 from ssl_xcit.trainer.checkpointing import last_checkpoint
+from ssl_xcit.trainer.fsdp import is_fsdp2, shard_module
 from ssl_xcit.trainer.step_checks import diverged
 from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
 from ssl_xcit.utils.rng import capture_rng_states, gather_rng_states, own_rng_states, restore_rng_states
@@ -82,6 +83,8 @@ class DINOLifecycle(LightningModule):
             self.teacher = convert_sync_batchnorm(self.teacher)
             if getattr(self, "gram_teacher", None) is not None:  # batch statistics in its forward too
                 self.gram_teacher.backbone = convert_sync_batchnorm(self.gram_teacher.backbone)
+        if is_fsdp2(self._trainer):
+            shard_module(self, self.trainer.strategy.data_parallel_mesh, str(self.trainer.precision))
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.compile_backbone()

@@ -184,3 +184,18 @@ def torchrun(worker, *args: str, timeout: int = 120) -> None:
         proc.communicate(timeout=30)
         raise
     assert proc.returncode == 0, stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def ddp_runs(tmp_path_factory):
+    """The 2-process runs of ``ddp_worker.py`` that ``test_ddp.py`` and ``test_fsdp2_checkpoints.py`` read, one
+    after another in one launch (each in its own folder): starting torchrun and importing torch and Lightning
+    in both ranks took most of each test's ~17 s. A rank left waiting in a collective ends in
+    ``TimeoutExpired``, with the launcher and both workers killed. FSDP2's runs (``ssl_xcit.trainer.fsdp``) share
+    the launch; the DDP runs are their reference, and ``fsdp2-plain/last.ckpt`` is a sharded checkpoint."""
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("ddp")
+    modes = "plain,empty,ibot,distill,init_from,rankme,high_res,fsdp2:plain,fsdp2:distill,fsdp2:init_from"
+    torchrun(Path(__file__).with_name("ddp_worker.py"), str(out), "2", modes, timeout=300)
+    return out

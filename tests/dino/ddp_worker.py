@@ -1,5 +1,6 @@
 """A tiny DINO run for the DDP agreement test: ``python ddp_worker.py OUT_DIR WORLD_SIZE [MODE[,MODE...]]``
-(modes: plain, the default; empty; ibot; distill; init_from; rankme; high_res).
+(modes: plain, the default; empty; ibot; distill; init_from; rankme; high_res; ``fsdp2:MODE`` trains MODE
+under FSDP2).
 
 Run under ``torchrun --nproc_per_node 2`` it is a real 2-process Lightning DDP run on CPU (gloo); with
 WORLD_SIZE 1 it is the single-process reference on the same global batch (8 images per step).
@@ -141,13 +142,15 @@ def run(
     distill: bool = False,
     init_from: bool = False,
     rankme: bool = False,
+    strategy: str = "ddp",
 ) -> dict:
     """With ``empty_first_batch_on_rank1`` every image of rank 1's first batch is unreadable; ``ibot`` adds the
     masked patch term with Sinkhorn-Knopp centring (all-reduced over the masked patches of both ranks);
     ``distill`` trains an XCiT student against a frozen ViT teacher (the features objective); ``init_from``
     starts a ViT from a backbone file, with the fresh head warming up alone; ``rankme`` adds two RankMe
     monitors on ``HeldOut``: all 7 images (ranks 0 and 1 embed 0-3 and 5-6) and 3 of them (0, 2 and 4: rank 1's
-    only image is unreadable, so it sends zeros)."""
+    only image is unreadable, so it sends zeros). ``strategy``: the 2-process
+    strategy (``ddp`` or ``fsdp2``, whose sharded tensors are gathered whole into the result)."""
     from ssl_xcit.data.datasets import collate_train
     from ssl_xcit.trainer.rankme import RankMe
 
@@ -163,7 +166,7 @@ def run(
         accelerator="cpu",
         devices=world_size,
         num_nodes=1,
-        strategy="ddp" if world_size > 1 else "auto",
+        strategy=strategy if world_size > 1 else "auto",
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
@@ -189,17 +192,20 @@ def run(
         collate_fn=collate_train,
     )
     trainer.fit(model, datamodule=WithHeldOut(loader)) if rankme else trainer.fit(model, loader)
+    if strategy == "fsdp2" and world_size > 1:  # the sharded checkpoint of the run's end, for its readers
+        trainer.save_checkpoint(Path(out_dir) / "last.ckpt")
     result = {
         "losses": record.losses,
         "indices": record.indices,
         "centers": torch.stack(record.centers),
-        "student": {k: v.detach().clone() for k, v in model.student.state_dict().items()},
-        "teacher": {k: v.detach().clone() for k, v in model.teacher.state_dict().items()},
+        "student": whole_state(model.student),
+        "teacher": whole_state(model.teacher),
         "bn_types": sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}),
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "skipped_batches": model.skipped_batches,
         "rankme": [m.history for m in monitors],
+        "sharded": sorted({type(p).__name__ for p in model.student.parameters()}),
     }
     torch.save(result, Path(out_dir) / f"rank{trainer.global_rank}_of{world_size}.pt")
     return result
@@ -236,6 +242,13 @@ def run_high_res(out_dir: str | Path, world_size: int) -> dict:
     return result
 
 
+def whole_state(network: torch.nn.Module) -> dict:
+    """``network``'s state dict as whole tensors (FSDP2's shards gathered; every rank takes part)."""
+    from ssl_xcit.trainer.fsdp import whole_state_dict
+
+    return whole_state_dict(network)
+
+
 MODES = {
     "plain": {},
     "empty": {"empty_first_batch_on_rank1": True},
@@ -248,10 +261,12 @@ MODES = {
 if __name__ == "__main__":
     # MODES may list several, comma-separated, each written to OUT_DIR/<mode>: they run one after another in
     # the same processes, since starting torchrun and importing torch and Lightning costs more than a run.
-    for mode in sys.argv[3].split(",") if len(sys.argv) > 3 else ["plain"]:
-        out = Path(sys.argv[1]) / mode
+    # A mode may name its 2-process strategy, ``fsdp2:plain`` (default ddp), written to OUT_DIR/fsdp2-plain.
+    for spec in sys.argv[3].split(",") if len(sys.argv) > 3 else ["plain"]:
+        strategy, _, mode = spec.rpartition(":")
+        out = Path(sys.argv[1]) / spec.replace(":", "-")
         out.mkdir(parents=True, exist_ok=True)
         if mode == "high_res":
             run_high_res(out, int(sys.argv[2]))
         else:
-            run(out, int(sys.argv[2]), **MODES[mode])
+            run(out, int(sys.argv[2]), **MODES[mode], strategy=strategy or "ddp")

@@ -14,7 +14,9 @@ Options (``KEY=VALUE``): ``workers`` (0), ``augment`` (``cpu``), ``every`` (3), 
 ``batch`` (4 per process), ``accumulate`` (1), ``old`` (1: the checkpoint loses its loader position, as one
 written before the resumable loader; one process only), ``images`` (64), ``shards`` (1: train on the images
 prepared as LitData shards, 8 records a chunk; the indices are then record indices), ``s3`` (an ``s3://`` URL:
-with ``shards=1``, the shards are uploaded there and read from it, the endpoint and keys from the environment).
+with ``shards=1``, the shards are uploaded there and read from it, the endpoint and keys from the environment),
+``strategy`` (``ddp``; ``fsdp2`` or ``fsdp2_whole`` for FSDP2 with sharded or one-file checkpoints), ``gather``
+(1: resume from the sharded checkpoint gathered into one file).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ OPTIONS = {
     "images": IMAGES,
     "shards": "0",
     "s3": "",
+    "strategy": "ddp",
+    "gather": "0",
 }
 
 
@@ -160,6 +164,8 @@ def _model(opts: dict):
 
 
 def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_path=None) -> dict:
+    from ssl_xcit.trainer.fsdp import whole_state_dict
+
     L.seed_everything(0, verbose=False)
     record = Record(crash_at)
     # As the recipes: last.ckpt every `every` optimiser steps and at every epoch end.
@@ -169,7 +175,7 @@ def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy="ddp" if world_size > 1 else "auto",
+        strategy=opts["strategy"] if world_size > 1 else "auto",
         max_epochs=int(opts["epochs"]),
         logger=False,
         enable_progress_bar=False,
@@ -189,8 +195,8 @@ def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_
         "rng": record.rng,
         "saved": record.saved,
         "global_step": trainer.global_step,
-        "student": {k: v.detach().clone() for k, v in model.student.state_dict().items()},
-        "teacher": {k: v.detach().clone() for k, v in model.teacher.state_dict().items()},
+        "student": whole_state_dict(model.student),
+        "teacher": whole_state_dict(model.teacher),
     }
 
 
@@ -212,13 +218,28 @@ def run(out_dir: str | Path, world_size: int, opts: dict) -> dict:
         time.sleep(0.05)
     full = _fit(out, "full", world_size, opts)
     crashed = _fit(out, "crashed", world_size, opts, crash_at=int(opts["crash"]))
-    checkpoint = torch.load(out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")
+    last = out / "ckpt" / "last.ckpt"  # a folder of shards under fsdp2, its other state in meta.pt
+    checkpoint = torch.load(
+        last / "meta.pt" if last.is_dir() else last, weights_only=False, map_location="cpu"
+    )
     loader_state = checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader")
     if opts["old"] == "1":  # as a checkpoint from before the resumable loader: no loader position
         del checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
         if rank == 0:
             torch.save(checkpoint, out / "ckpt" / "last.ckpt")
-    resumed = _fit(out, "resumed", world_size, opts, ckpt_path=out / "ckpt" / "last.ckpt")
+    resume_from = out / "ckpt" / "last.ckpt"
+    if (
+        opts["gather"] == "1"
+    ):  # resume from the sharded folder gathered into one file (ssl-xcit gather-checkpoint)
+        resume_from = out / "gathered.ckpt"
+        if rank == 0:
+            from ssl_xcit.models.sharded import gather_checkpoint
+
+            gather_checkpoint(last, resume_from)
+            (out / "gathered").touch()
+        while not (out / "gathered").exists():
+            time.sleep(0.05)
+    resumed = _fit(out, "resumed", world_size, opts, ckpt_path=resume_from)
     result = {
         "full": full,
         "crashed": crashed,

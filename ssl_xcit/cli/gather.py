@@ -1,0 +1,25 @@
+"""``ssl-xcit gather-checkpoint SRC OUT``: a sharded checkpoint (the folder ``--trainer.strategy fsdp2`` writes)
+as one file, the form ``--trainer.strategy fsdp2_whole`` writes (``ssl_xcit.models.sharded``)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    """Parse ``argv``, write OUT; returns its path."""
+    from ssl_xcit.models.sharded import gather_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="ssl-xcit gather-checkpoint",
+        description="Write a sharded (FSDP2) checkpoint folder as one checkpoint file.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("source", help="the checkpoint folder (holds .metadata, __<rank>_0.distcp, meta.pt)")
+    parser.add_argument("out", help="the file to write, e.g. last_whole.ckpt")
+    args = parser.parse_args(None if argv is None else list(argv))
+    out = gather_checkpoint(args.source, args.out)
+    print(f"wrote {out}")
+    return out

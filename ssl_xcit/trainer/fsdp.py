@@ -1,0 +1,251 @@
+"""FSDP2 for DINO: ``--trainer.strategy fsdp2`` shards every network of a run over the data-parallel ranks.
+
+``FSDP2Strategy`` is Lightning's ``ModelParallelStrategy`` with the whole world as the data-parallel mesh
+dimension (no tensor parallelism) and DINO's checkpoint needs; :func:`shard_module` is what the module's
+``configure_model`` calls. As DINOv3 does, each transformer block is one ``fully_shard`` unit, the rest of a
+backbone (stem, positional terms, final norm) is its root unit, and each head is sharded on its own. The EMA
+teacher, the Gram teacher and a distillation teacher are sharded exactly like the student, so every rank
+holds the same slice of a parameter in all of them and the EMA update is local (:func:`local_parameters`).
+
+With ``bf16-mixed`` the units compute in bf16, reduce gradients in float32 and keep float32 master weights
+(DINOv3's ``MixedPrecisionPolicy``). Lightning refuses ``16-mixed`` under this strategy.
+
+Not supported: ``compile`` (DINOv3 compiles per block; untested here) and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ssl_xcit.errors import UserError
+from ssl_xcit.models.activation_checkpointing import blocks
+
+STRATEGY_NAME = "fsdp2"
+WHOLE_NAME = "fsdp2_whole"
+
+# A backbone's methods that read its root unit's parameters besides ``forward`` (ours and timm's); FSDP2
+# gathers them only around the methods it knows of.
+FORWARD_METHODS = (
+    "forward_features",
+    "forward_head",
+    "forward_cls_patches",
+    "forward_patch_tokens",
+    "forward_intermediates",
+    "get_intermediate_layers",
+    "get_intermediate_cls",
+    "get_attention_maps",
+)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` as pure FSDP2: one data-parallel mesh dimension over every process (the
+    parent's default puts the processes of a node on the tensor-parallel dimension). It runs on CPU with
+    gloo as on CUDA with NCCL: the parent picks the backend from the device and builds the mesh on it.
+
+    Args:
+        save_distributed_checkpoint: ``True`` writes a folder of per-rank shards (torch distributed
+            checkpoint); ``False`` gathers the whole state on rank 0 into one file.
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(self, save_distributed_checkpoint: bool = True, **kwargs: Any) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        if self._tensor_parallel_size == "auto":
+            self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    @property
+    def data_parallel_mesh(self) -> Any:
+        """The 1-D mesh the networks are sharded over."""
+        return self.device_mesh["data_parallel"]
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """A sharded checkpoint is written whole or not at all: into ``<path>.partial`` by every rank, then
+        renamed over ``<path>`` by rank 0 (the old folder is removed only once the new one is in place). A
+        one-file checkpoint goes through the checkpoint IO (atomic: ``ssl_xcit.dino.checkpointing``)."""
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        path = Path(self.broadcast(str(filepath)))
+        partial = path.with_name(path.name + ".partial")
+        if self.global_rank == 0 and partial.exists():  # left by a run killed mid-write
+            shutil.rmtree(partial)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            _replace(partial, path)
+        self.barrier()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # A network that ran a forward with no backward since (the EMA teacher, a validation pass) keeps its
+        # root unit gathered; the state dict must see the shards.
+        reshard(self.lightning_module)
+        return super().lightning_module_state_dict()
+
+
+def _replace(new: Path, path: Path) -> None:
+    """Put the folder ``new`` at ``path``; an old folder there is moved aside first and removed last, so a
+    kill at any point leaves a whole checkpoint (``path``, or ``path.old`` for an instant)."""
+    old = path.with_name(path.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.is_dir():
+        path.rename(old)
+    elif path.exists():
+        path.unlink()
+    new.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def register_strategy() -> None:
+    """``--trainer.strategy fsdp2`` (sharded checkpoints) and ``fsdp2_whole`` (one-file checkpoints);
+    idempotent: importing this module registers them."""
+    if STRATEGY_NAME not in StrategyRegistry:
+        StrategyRegistry.register(
+            STRATEGY_NAME, FSDP2Strategy, description="FSDP2 (fully_shard per block), sharded checkpoints"
+        )
+    if WHOLE_NAME not in StrategyRegistry:
+        StrategyRegistry.register(
+            WHOLE_NAME,
+            FSDP2Strategy,
+            description="FSDP2 (fully_shard per block), one-file checkpoints",
+            save_distributed_checkpoint=False,
+        )
+
+
+register_strategy()
+
+
+def is_fsdp2(trainer: Any) -> bool:
+    """Whether ``trainer`` (or None) trains under :class:`FSDP2Strategy`."""
+    return trainer is not None and isinstance(trainer.strategy, FSDP2Strategy)
+
+
+def _policy(precision: str) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":  # DINOv3: bf16 compute, float32 gradient reduction and master weights
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_backbone(backbone: nn.Module, mesh: Any, policy: Any) -> None:
+    """One unit per block, then the backbone's own unit (stem, positional terms, norms) around ``forward``
+    and every method in ``FORWARD_METHODS``. A backbone with no block list is one unit as a whole."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for block in blocks(backbone):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(backbone, mesh=mesh, mp_policy=policy)
+    for method in FORWARD_METHODS:
+        if callable(getattr(backbone, method, None)):
+            register_fsdp_forward_method(backbone, method)
+
+
+def _backbones(module: nn.Module) -> list[nn.Module]:
+    """The backbones of a DINO module: student's, teacher's (EMA or frozen distillation teacher), Gram's."""
+    nets = [getattr(module, name, None) for name in ("student", "teacher", "gram_teacher")]
+    return [
+        net.backbone
+        for net in nets
+        if net is not None and isinstance(getattr(net, "backbone", None), nn.Module)
+    ]
+
+
+def shard_module(module: nn.Module, mesh: Any, precision: str) -> None:
+    """Shard every network of a DINO module over ``mesh`` (``configure_model`` under ``fsdp2``).
+
+    The backbones go per block (:func:`shard_backbone`); every other module that holds parameters directly
+    (the heads' linear layers, a distillation projection) becomes a unit of its own, so it is gathered by
+    its own ``forward`` however the step calls it. Student and teacher have the same structure, hence the
+    same units and the same shards on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    if getattr(module.hparams, "compile", False):
+        raise UserError(
+            "compile is not supported under --trainer.strategy fsdp2 yet; set --model.compile false"
+        )
+    policy = _policy(str(module.trainer.precision))
+    for backbone in _backbones(module):
+        shard_backbone(backbone, mesh, policy)
+    for sub in reversed(list(module.modules())):  # innermost first: each module its own unit
+        own = [p for p in sub.parameters(recurse=False) if not isinstance(p, DTensor)]
+        if own:
+            fully_shard(sub, mesh=mesh, mp_policy=policy)
+    left = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
+    if left:  # cannot happen with the rule above; a silent replica would train without gradient reduction
+        raise RuntimeError(f"parameters left unsharded under fsdp2: {left[:5]}")
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit in ``module`` (a no-op for unsharded ones). A root
+    unit stays gathered after a forward that no backward follows (the teacher's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+def local_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s parameters as this rank holds them: the local shards under FSDP2 (after resharding),
+    the tensors themselves otherwise. Networks sharded alike give lists of equal shapes, element by element."""
+    reshard(module)
+    return [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+
+
+def local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each tensor's local shard (DTensor) or the tensor itself; in place edits reach the DTensor."""
+    for t in tensors:
+        yield t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of each whole tensor, stacked. Sharded tensors (DTensors over one mesh) sum their local
+    squared norms over the mesh in one all-reduce; plain tensors take ``torch._foreach_norm``."""
+    local = list(local_tensors(tensors))
+    norms = torch.stack(torch._foreach_norm(local, 2.0))
+    sharded = [isinstance(t, DTensor) for t in tensors]
+    if not any(sharded):
+        return norms
+    if not all(sharded) or any(t.placements != tensors[0].placements for t in tensors):
+        raise RuntimeError("per-tensor norms need all tensors sharded alike")
+    squares = norms.float().square()
+    dist.all_reduce(squares, group=tensors[0].device_mesh.get_group())
+    return squares.sqrt().to(norms.dtype)
+
+
+def load_whole_state(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """``module.load_state_dict(state)`` for a whole (unsharded) ``state`` that every rank holds; under FSDP2
+    each rank keeps its own slice of every tensor (``set_model_state_dict``)."""
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        module.load_state_dict(state, strict=strict)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reshard(module)
+    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict with whole tensors: FSDP2's shards gathered (every rank must call it), plain
+    tensors as they are; detached copies."""
+    reshard(module)
+    state = module.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
