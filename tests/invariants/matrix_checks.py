@@ -179,7 +179,9 @@ def finite_moved_steps(row: dict, runs: list[dict], start: dict, windows: int) -
         network = "teacher" if any(k.startswith("teacher.") for k in run["state"]) else "student"
         keys = [k for k in groups(run["state"]).get(network, []) if k in start]  # parameters, not BN buffers
         if all(torch.equal(run["state"][k], start[k]) for k in keys):
-            return FAIL, f"the {network} did not move"
+            skips = run.get("scaler_skips")
+            why = f": the GradScaler skipped {skips} of {steps} steps (inf/NaN gradients)" if skips else ""
+            return FAIL, f"the {network} did not move{why}"
     return PASS, ""
 
 
