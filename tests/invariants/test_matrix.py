@@ -87,6 +87,25 @@ def test_a_student_that_never_moved_names_the_grad_scaler_skips():
     assert checks.finite_moved_steps(row, [run], start, 4) == (checks.PASS, "")
 
 
+def test_a_teacher_moved_only_by_ema_rounding_does_not_pass_for_a_step():
+    """3-one_rank-16-mixed-...-xcit_syncbn-dino passed "moved" with every step a GradScaler skip: the teacher's
+    EMA of the unmoved student changed its last bits. The student must move too."""
+    row = {**FAST_ROW, "precision": "16-mixed"}
+    teacher = torch.rand(8, generator=torch.Generator().manual_seed(0))
+    ema = 0.9 * teacher + (1 - 0.9) * teacher  # what the EMA does when the student never moved
+    assert not torch.equal(ema, teacher)  # the rounding that made the check pass
+    start = {"student.w": teacher.clone(), "teacher.w": teacher.clone()}
+    run = {"losses": [1.0], "global_step": 4, "skipped": 1, "scaler_skips": 4,
+           "state": {"student.w": teacher.clone(), "teacher.w": ema}}  # fmt: skip
+    found = checks.finite_moved_steps(row, [run], start, 4)
+    assert found == (
+        checks.FAIL,
+        "the student did not move: the GradScaler skipped 4 of 4 steps (inf/NaN gradients)",
+    )
+    run["state"]["student.w"] = teacher + 1
+    assert checks.finite_moved_steps(row, [run], start, 4) == (checks.PASS, "")
+
+
 def _assert_no_failure(rows: list[dict], results: list[dict]) -> None:
     table = checks.table(rows, results, list(AXES))
     print("\n" + table)
