@@ -176,10 +176,16 @@ def finite_moved_steps(row: dict, runs: list[dict], start: dict, windows: int) -
             return FAIL, "non-finite loss or weights"
         if run["global_step"] != steps or run["skipped"] != skipped:
             return FAIL, f"{run['global_step']} steps, {run['skipped']} skipped; expected {steps}, {skipped}"
-        network = "teacher" if any(k.startswith("teacher.") for k in run["state"]) else "student"
-        keys = [k for k in groups(run["state"]).get(network, []) if k in start]  # parameters, not BN buffers
-        if all(torch.equal(run["state"][k], start[k]) for k in keys):
-            return FAIL, f"the {network} did not move"
+        # The student first: only an optimiser step moves it. A DINO teacher alone is no proof, since its EMA
+        # of an unmoved student (0.9 t + 0.1 t) still changes its last bits.
+        for network in ("student", "teacher"):
+            keys = [k for k in groups(run["state"]).get(network, []) if k in start]  # not BN buffers
+            if keys and all(torch.equal(run["state"][k], start[k]) for k in keys):
+                skips = run.get("scaler_skips")
+                why = (
+                    f": the GradScaler skipped {skips} of {steps} steps (inf/NaN gradients)" if skips else ""
+                )
+                return FAIL, f"the {network} did not move{why}"
     return PASS, ""
 
 

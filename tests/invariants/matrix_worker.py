@@ -192,11 +192,15 @@ class Record(L.Callback):
 
     def __init__(self, preempt: bool = False) -> None:
         self.losses: list[torch.Tensor | None] = []  # read after the fit: no host read of the census's
+        self.scales: list[torch.Tensor] = []  # the GradScaler's scale after each micro-batch (16-mixed)
         self.preempt = preempt
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self.losses.append(None if loss is None else loss.detach().clone())
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler._scale is not None:  # get_scale() would be a host read
+            self.scales.append(scaler._scale.detach().clone())
         k = pl_module.hparams.accumulate_grad_batches
         if self.preempt and batch_idx == PREEMPT_WINDOW * k and trainer.global_rank == 0:
             from ssl_xcit.trainer.preemption import PreemptionCheckpoint
@@ -269,6 +273,7 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
             for s in (optimizer.state[p] for g in optimizer.param_groups for p in g["params"])
         ],
         "losses": [None if x is None else float(x) for x in record.losses],
+        "scaler_skips": scaler_skips(record.scales),
         "global_step": trainer.global_step,
         "skipped": model.skipped_batches,
         "preempted": stopped,
@@ -276,6 +281,16 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
         "world_size": trainer.world_size,
         "bn_types": sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__}),
     }
+
+
+def scaler_skips(scales: list[torch.Tensor]) -> int | None:
+    """How many optimiser steps the GradScaler skipped (found inf/NaN gradients): each skip halves its scale,
+    and the scale only grows after 2000 clean steps. None without a scaler. A resumed run counts from
+    ``SCALER_INIT``, not its checkpoint's scale: a diagnostic for the table's detail, not an invariant."""
+    if not scales:
+        return None
+    values = [SCALER_INIT, *(float(s) for s in scales)]
+    return sum(after < before for before, after in zip(values[:-1], values[1:], strict=True))
 
 
 def initial_state(row: dict, sources: dict) -> dict[str, torch.Tensor]:

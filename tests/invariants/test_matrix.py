@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import matrix_checks as checks
+import matrix_worker
 import pytest
 import torch
 from matrix import run_matrix
@@ -64,6 +65,45 @@ def test_expected_steps_per_unreadable_position():
     assert checks.expected_steps(row, 4) == (4, 1)  # a window keeps its other micro-batch
     assert checks.expected_steps({**row, "accumulate": "1"}, 4) == (3, 1)
     assert checks.expected_steps({**row, "unreadable": "every_rank", "accumulate": "3"}, 4) == (3, 3)
+
+
+def test_a_student_that_never_moved_names_the_grad_scaler_skips():
+    """The 16-mixed XCiT distill_dino row's FAIL detail named no cause: it must say that every step was a
+    GradScaler skip, which the worker counts from the scale's halvings."""
+    row = {**FAST_ROW, "unreadable": "every_rank", "accumulate": "3", "precision": "16-mixed"}
+    start = {"student.w": torch.zeros(2)}
+    run = {"losses": [1.0, None], "state": {"student.w": torch.zeros(2)}, "global_step": 3, "skipped": 3}
+    scales = [torch.tensor(s) for s in (256.0, 128.0, 128.0, 64.0, 64.0, 32.0)]
+    run["scaler_skips"] = matrix_worker.scaler_skips(scales)
+    assert run["scaler_skips"] == 3
+    assert matrix_worker.scaler_skips([torch.tensor(256.0), torch.tensor(256.0)]) == 0
+    assert matrix_worker.scaler_skips([]) is None
+    found = checks.finite_moved_steps(row, [run], start, 4)
+    assert found == (
+        checks.FAIL,
+        "the student did not move: the GradScaler skipped 3 of 3 steps (inf/NaN gradients)",
+    )
+    run["state"] = {"student.w": torch.ones(2)}
+    assert checks.finite_moved_steps(row, [run], start, 4) == (checks.PASS, "")
+
+
+def test_a_teacher_moved_only_by_ema_rounding_does_not_pass_for_a_step():
+    """3-one_rank-16-mixed-...-xcit_syncbn-dino passed "moved" with every step a GradScaler skip: the teacher's
+    EMA of the unmoved student changed its last bits. The student must move too."""
+    row = {**FAST_ROW, "precision": "16-mixed"}
+    teacher = torch.rand(8, generator=torch.Generator().manual_seed(0))
+    ema = 0.9 * teacher + (1 - 0.9) * teacher  # what the EMA does when the student never moved
+    assert not torch.equal(ema, teacher)  # the rounding that made the check pass
+    start = {"student.w": teacher.clone(), "teacher.w": teacher.clone()}
+    run = {"losses": [1.0], "global_step": 4, "skipped": 1, "scaler_skips": 4,
+           "state": {"student.w": teacher.clone(), "teacher.w": ema}}  # fmt: skip
+    found = checks.finite_moved_steps(row, [run], start, 4)
+    assert found == (
+        checks.FAIL,
+        "the student did not move: the GradScaler skipped 4 of 4 steps (inf/NaN gradients)",
+    )
+    run["state"]["student.w"] = teacher + 1
+    assert checks.finite_moved_steps(row, [run], start, 4) == (checks.PASS, "")
 
 
 def _assert_no_failure(rows: list[dict], results: list[dict]) -> None:
