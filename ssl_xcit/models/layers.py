@@ -15,7 +15,8 @@ Two departures from timm's arithmetic (not from its results), for speed and memo
 * :class:`XCA` never materialises L2-normalised copies of q and k. It forms the raw d x d Gram matrix and divides by
   the outer product of the per-channel token norms. When there are more tokens than channels it also folds the
   block-diagonal attention into the output projection, so the N x C tensor ``attn @ v`` and its permuted copy
-  are never built.
+  are never built. Under float16 (``16-mixed``) it normalises q and k first, as timm does, because the raw Gram
+  matrix and its gradient leave float16's range.
 * :class:`LPI` runs its depthwise convolutions on a channels-last view of the token tensor, so the (B, N, C) <->
   (B, C, H, W) round trip costs no copy.
 """
@@ -107,6 +108,19 @@ class LPI(nn.Module):
         return x.permute(0, 2, 3, 1).reshape(batch, tokens, channels)
 
 
+def _float16_compute(x: Tensor) -> bool:
+    """Whether XCA's products run in float16: a float16 input, or float16 autocast on its device."""
+    if x.dtype == torch.float16:
+        return True
+    device = x.device.type
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
+
+
+def _norm32(t: Tensor, dim: int) -> Tensor:
+    """L2 norm over ``dim`` accumulated and returned in float32, kept as a size-1 axis for broadcasting."""
+    return torch.linalg.vector_norm(t, dim=dim, keepdim=True, dtype=torch.float32)
+
+
 class XCA(nn.Module):
     """Cross-covariance attention: a d x d softmax attention over channels within each head.
 
@@ -140,11 +154,21 @@ class XCA(nn.Module):
         q, k, v = qkv.unbind(2)  # each (B, N, h, d), strided views
         q = q.permute(0, 2, 3, 1)  # (B, h, d, N)
         k = k.permute(0, 2, 1, 3)  # (B, h, N, d)
-        gram = q @ k  # (B, h, d, d) raw channel cross-covariance
-        # cos(q_i, k_j) = q_i.k_j / (|q_i| |k_j|), with F.normalize's eps on each norm.
-        q_norm = torch.linalg.vector_norm(q, dim=-1).clamp_min(1e-12)  # (B, h, d)
-        k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(1e-12)  # (B, h, d)
-        logits = gram / (q_norm.unsqueeze(-1) * k_norm.unsqueeze(-2)) * self.temperature
+        if _float16_compute(x):
+            # The raw Gram entry q_i.k_j spans |q_i| |k_j|: float16's range (6e-5 to 65504) cannot hold it, nor
+            # the 1 / (|q_i| |k_j|) in its gradient (0 / 0 in the forward for small tokens, inf - inf in the
+            # backward at one token). Normalised first, as timm does, the product holds cosines in [-1, 1];
+            # the norms and divisions are float32 (CPU autocast would otherwise run them in float16, where
+            # F.normalize's eps of 1e-12 is 0). docs/backbones.md.
+            q_unit = q / _norm32(q, -1).clamp_min(1e-12)
+            k_unit = k / _norm32(k, -2).clamp_min(1e-12)
+            logits = (q_unit.to(q.dtype) @ k_unit.to(k.dtype)) * self.temperature
+        else:
+            gram = q @ k  # (B, h, d, d) raw channel cross-covariance
+            # cos(q_i, k_j) = q_i.k_j / (|q_i| |k_j|), with F.normalize's eps on each norm.
+            q_norm = torch.linalg.vector_norm(q, dim=-1).clamp_min(1e-12)  # (B, h, d)
+            k_norm = torch.linalg.vector_norm(k, dim=-2).clamp_min(1e-12)  # (B, h, d)
+            logits = gram / (q_norm.unsqueeze(-1) * k_norm.unsqueeze(-2)) * self.temperature
         return self.attn_drop(logits.softmax(dim=-1)), v
 
     def forward(self, x: Tensor) -> Tensor:

@@ -98,9 +98,20 @@ def dataset(row: dict[str, str], world_size: int, seed: int) -> Any:
     n = WINDOWS * int(row["accumulate"]) * MICRO * WORLD
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
+    gram = row["objective"] == "gram"
+
     class Crops(crops):
         def __len__(self) -> int:
             return n
+
+        def __getitem__(self, i: int) -> Any:
+            item = super().__getitem__(i)
+            if item is None or not gram:
+                return item
+            # A model that anchors needs the Gram teacher's crops (gram_resolution_scale 1: the global crops'
+            # own boxes, undistorted), as the datamodule cuts them.
+            views, *rest = item
+            return ({"crops": views, "gram_crops": [v.clone() for v in views[:2]]}, *rest)
 
     return Crops(frozenset(order[p] for p in positions(row, world_size)))
 
