@@ -102,6 +102,15 @@ def dataset(row: dict[str, str], world_size: int, seed: int) -> Any:
         def __len__(self) -> int:
             return n
 
+        def __getitem__(self, i: int):
+            item = super().__getitem__(i)
+            if item is None or row["objective"] != "gram":
+                return item
+            # As DINODataModule cuts them for a model that anchors: each global crop again at the Gram
+            # teacher's scale (1 in these rows), so the same pixels.
+            views, label, index = item
+            return {"crops": views, "gram_crops": [v.clone() for v in views[:2]]}, label, index
+
     return Crops(frozenset(order[p] for p in positions(row, world_size)))
 
 
@@ -320,6 +329,31 @@ def accumulation_exact(row: dict[str, str]) -> str | None:
     return {"koleo": "KoLeo, Sinkhorn-Knopp", "ibot": "iBOT masks, Sinkhorn-Knopp"}.get(row["objective"])
 
 
+def censused_fit(
+    row: dict, folder: Path, name: str, world_size: int, accelerator: str, sources: dict, **kwargs: Any
+) -> dict[str, dict]:
+    """``{name: fit}`` under the loop census; with compile, the census in a fit of its own (``"census"``).
+    The census's dispatch mode makes dynamo run every compiled frame eagerly, and eager XCiT differs from its
+    ``aot_eager`` graphs in the last bits: a censused run is no reference for compiled runs (docs/invariants.md)."""
+    if row["compile"] == "off":
+        return {name: fit(row, folder / name, world_size, accelerator, sources, census=True, **kwargs)}
+    return {
+        name: fit(row, folder / name, world_size, accelerator, sources, **kwargs),
+        "census": fit(row, folder / "census", world_size, accelerator, sources, census=True, **kwargs),
+    }
+
+
+def uninterrupted_and_resumed(row: dict, folder: Path, world_size: int, accelerator: str,
+                              sources: dict) -> dict[str, dict]:  # fmt: skip
+    """The uninterrupted run (``full``, censused), one pre-empted mid-window (``crashed``) and its resume."""
+    runs = censused_fit(row, folder, "full", world_size, accelerator, sources)
+    runs["crashed"] = fit(row, folder / "crashed", world_size, accelerator, sources, preempt=True)
+    ckpt = runs["crashed"]["preempted"]
+    if ckpt is not None:
+        runs["resumed"] = fit(row, folder / "resumed", world_size, accelerator, sources, ckpt_path=Path(ckpt))
+    return runs
+
+
 def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> None:
     """Every run of ``row`` that ``world_size`` makes (see the module docstring), saved under ``out``."""
     from matrix_options import row_id
@@ -331,17 +365,10 @@ def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> 
     runs: dict[str, dict] = {}
     try:
         if world_size > 1:
-            runs["full"] = fit(row, folder / "full", world_size, accelerator, sources, census=True)
-            runs["crashed"] = fit(row, folder / "crashed", world_size, accelerator, sources, preempt=True)
-            ckpt = runs["crashed"]["preempted"]
-            if ckpt is not None:
-                runs["resumed"] = fit(row, folder / "resumed", world_size, accelerator, sources,
-                                      ckpt_path=Path(ckpt))  # fmt: skip
+            runs.update(uninterrupted_and_resumed(row, folder, world_size, accelerator, sources))
         else:
             runs["initial"] = {"state": initial_state(row, sources)}
-            runs["single"] = fit(
-                row, folder / "single", 1, accelerator, sources, batch=MICRO * WORLD, census=True
-            )
+            runs.update(censused_fit(row, folder, "single", 1, accelerator, sources, batch=MICRO * WORLD))
             k = int(row["accumulate"])
             if accumulation_exact(row) is None:
                 concat = {**row, "accumulate": "1"}
