@@ -142,7 +142,9 @@ def check_row(
         result["accumulation = concatenation"] = (NA, reason)
     else:
         result["accumulation = concatenation"] = compare(one["concat"], one["single"], start, rtol)
-    censused = [r for r in (*full, one["single"]) if r.get("census") is not None]
+    # A compiled row's census ran in a fit of its own (``matrix_worker.censused_fit``).
+    censuses = [r["census"] for r in (*(two or []), one) if "census" in r]
+    censused = [r for r in (*full, one["single"], *censuses) if r.get("census") is not None]
     result["host reads"] = host_reads(censused, allowance(row), skipped_micro_batches(row))
     result["finite, moved, steps"] = finite_moved_steps(row, [*full, one["single"]], start, windows)
     if "twin" in one:
