@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE))
 
 import matrix_checks  # noqa: E402
 import matrix_worker  # noqa: E402
-from matrix_options import AXES, design, row_id  # noqa: E402
+from matrix_options import AXES, design, pairwise, row_id  # noqa: E402, F401 (pairwise: gpu_check_matrix.py)
 
 WORKER = HERE / "matrix_worker.py"
 ROW_TIMEOUT_S = (
