@@ -144,29 +144,13 @@ def test_device_crops_then_augmentation_on_fake_cuda_never_sync(batch, sizes):
     # The worker's batch (padded uint8 images, roi rows, flips) moved to (fake) CUDA by the datamodule's
     # transfer (Lightning's move_data_to_device, which calls CropBatch.to): every copy non-blocking; the crops
     # are then cut and augmented there with one parameter copy and no host read.
-    from ssl_xcit.data.device_crops import CropBatch
-
     dm = DINODataModule(
         augment_on="device",
         global_crops_size=sizes[0],
         local_crops_size=sizes[-1],
         local_crops_number=len(sizes) - 2,
     )
-    rng = np.random.default_rng(0)
-    x1, y1 = rng.uniform(0, 100, (2, len(sizes) * batch))
-    boxes = np.stack([np.tile(np.arange(batch), len(sizes)), x1, y1, x1 + 80, y1 + 60], 1)
-    host = CropBatch(
-        torch.zeros(batch, 3, 200, 250, dtype=torch.uint8),
-        [],
-        [(200, 250)] * batch,
-        torch.from_numpy(boxes.astype(np.float32)),
-        torch.from_numpy(rng.random(len(sizes) * batch) < 0.5),
-        0,
-    )
-    data = [host, torch.zeros(batch, dtype=torch.int64), torch.arange(batch)]
-    traffic = DeviceTraffic()
-    with FakeTensorMode(allow_non_fake_inputs=True), traffic:
-        out = dm.on_after_batch_transfer(dm.transfer_batch_to_device(data, torch.device("cuda"), 0), 0)
+    host, out, traffic = _transfer_on_fake_cuda(dm, batch, len(sizes))
     assert [tuple(c.shape) for c in out[0]] == [(batch, 3, s, s) for s in sizes]
     assert all(isinstance(c, FakeTensor) and c.device.type == "cuda" for c in out[0])
     assert out[1].device.type == "cuda" and out[2].device.type == "cuda"
@@ -176,29 +160,36 @@ def test_device_crops_then_augmentation_on_fake_cuda_never_sync(batch, sizes):
     assert traffic.syncs == [] and traffic.blocking == []
 
 
-def test_gram_crops_are_cut_and_normalised_on_fake_cuda_without_a_sync():
-    # Gram anchoring on: the datamodule cuts 2 more crops (the global boxes at twice the side) from the same
-    # padded images, and normalises them with the constants of the one parameter copy.
+def _transfer_on_fake_cuda(dm: DINODataModule, batch: int, crops: int):
+    """A host CropBatch of ``batch`` padded images with ``crops`` boxes each, moved to a fake CUDA device and
+    augmented there by ``dm``'s hooks under a traffic recorder: (host batch, output, traffic)."""
     from ssl_xcit.data.device_crops import CropBatch
 
-    batch, sizes = 4, [32, 32, 16, 16, 64, 64]
-    dm = DINODataModule(augment_on="device", global_crops_size=32, local_crops_size=16, local_crops_number=2)
-    dm.use_gram_crops(2)
     rng = np.random.default_rng(0)
-    x1, y1 = rng.uniform(0, 100, (2, len(sizes) * batch))
-    boxes = np.stack([np.tile(np.arange(batch), len(sizes)), x1, y1, x1 + 80, y1 + 60], 1)
+    x1, y1 = rng.uniform(0, 100, (2, crops * batch))
+    boxes = np.stack([np.tile(np.arange(batch), crops), x1, y1, x1 + 80, y1 + 60], 1)
     host = CropBatch(
         torch.zeros(batch, 3, 200, 250, dtype=torch.uint8),
         [],
         [(200, 250)] * batch,
         torch.from_numpy(boxes.astype(np.float32)),
-        torch.from_numpy(rng.random(len(sizes) * batch) < 0.5),
+        torch.from_numpy(rng.random(crops * batch) < 0.5),
         0,
     )
     data = [host, torch.zeros(batch, dtype=torch.int64), torch.arange(batch)]
     traffic = DeviceTraffic()
     with FakeTensorMode(allow_non_fake_inputs=True), traffic:
         out = dm.on_after_batch_transfer(dm.transfer_batch_to_device(data, torch.device("cuda"), 0), 0)
+    return host, out, traffic
+
+
+def test_gram_crops_are_cut_and_normalised_on_fake_cuda_without_a_sync():
+    # Gram anchoring on: the datamodule cuts 2 more crops (the global boxes at twice the side) from the same
+    # padded images, and normalises them with the constants of the one parameter copy.
+    batch, sizes = 4, [32, 32, 16, 16, 64, 64]
+    dm = DINODataModule(augment_on="device", global_crops_size=32, local_crops_size=16, local_crops_number=2)
+    dm.use_gram_crops(2)
+    host, out, traffic = _transfer_on_fake_cuda(dm, batch, len(sizes))
     crops, gram = out[0]["crops"], out[0]["gram_crops"]
     assert [tuple(c.shape) for c in crops] == [(batch, 3, s, s) for s in sizes[:4]]
     assert [tuple(c.shape) for c in gram] == [(batch, 3, 64, 64)] * 2
