@@ -169,3 +169,16 @@ def s3_env(s3_server, monkeypatch, tmp_path, request):
     monkeypatch.setenv("LITDATA_CACHE_DIR", str(tmp_path / "litdata_cache"))  # read by subprocesses
     monkeypatch.setattr(litdata_cache, "_LITDATA_CACHE_DIR", str(tmp_path / "litdata_cache"))
     yield f"s3://bucket/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+@pytest.fixture(scope="module")
+def twenty_flowers(shared_data, tmp_path_factory):
+    """5 classes x (3 train + 1 val) flowers5 photos as symlinked ImageFolder trees."""
+    root = tmp_path_factory.mktemp("flowers20")
+    for cls_dir in sorted((shared_data / "flowers5").iterdir()):
+        photos = sorted(cls_dir.glob("*.jpg"))[:4]
+        for split, chosen in (("train", photos[:3]), ("val", photos[3:])):
+            (root / split / cls_dir.name).mkdir(parents=True)
+            for p in chosen:
+                (root / split / cls_dir.name / p.name).symlink_to(p)
+    return root / "train", root / "val"

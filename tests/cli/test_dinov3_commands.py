@@ -29,19 +29,6 @@ CASES = {
 pytestmark = pytest.mark.filterwarnings("ignore:ASMK codebook k=", "ignore:k-means with k=")
 
 
-@pytest.fixture(scope="module")
-def photos(shared_data, tmp_path_factory) -> tuple[Path, Path]:
-    """5 flowers5 classes x (3 train + 1 val) photos as ImageFolder trees."""
-    root = tmp_path_factory.mktemp("dinov3_photos")
-    for cls_dir in sorted((shared_data / "flowers5").iterdir()):
-        photos = sorted(cls_dir.glob("*.jpg"))[:4]
-        for split, chosen in (("train", photos[:3]), ("val", photos[3:])):
-            (root / split / cls_dir.name).mkdir(parents=True)
-            for p in chosen:
-                (root / split / cls_dir.name / p.name).symlink_to(p)
-    return root / "train", root / "val"
-
-
 def _fit(name: str, images: Path, tmp_path: Path) -> Path:
     kwargs, global_size, local_size = CASES[name]
     train_main([
@@ -80,9 +67,9 @@ def _segment_folder(root: Path, n: int) -> Path:
 
 @pytest.mark.slow  # fit + 8 commands per family: about 40 s on 2 cores
 @pytest.mark.parametrize("name", list(CASES))
-def test_every_command_runs_on_the_family(name, photos, shared_data, tmp_path, monkeypatch):
+def test_every_command_runs_on_the_family(name, twenty_flowers, shared_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    train, val = photos
+    train, val = twenty_flowers
     ckpt = _fit(name, train, tmp_path / "run")
     teacher = build_backbone(ckpt).eval()
     assert teacher.name == name

@@ -22,19 +22,6 @@ FAMILIES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def twenty_flowers(shared_data, tmp_path_factory):
-    """5 classes x (3 train + 1 val) flowers5 photos as symlinked ImageFolder trees."""
-    root = tmp_path_factory.mktemp("flowers20")
-    for cls_dir in sorted((shared_data / "flowers5").iterdir()):
-        photos = sorted(cls_dir.glob("*.jpg"))[:4]
-        for split, chosen in (("train", photos[:3]), ("val", photos[3:])):
-            (root / split / cls_dir.name).mkdir(parents=True)
-            for p in chosen:
-                (root / split / cls_dir.name / p.name).symlink_to(p)
-    return root / "train", root / "val"
-
-
 def _weights(tmp_path, name, kwargs):
     torch.manual_seed(0)
     model = create_model(name, **kwargs)
