@@ -133,8 +133,8 @@ register_strategy()
 
 
 def is_fsdp2(trainer: Any) -> bool:
-    """Whether ``trainer`` (or None) trains under :class:`FSDP2Strategy`."""
-    return trainer is not None and isinstance(trainer.strategy, FSDP2Strategy)
+    """Whether ``trainer`` (or None, or a stand-in without a strategy) trains under :class:`FSDP2Strategy`."""
+    return isinstance(getattr(trainer, "strategy", None), FSDP2Strategy)
 
 
 def _policy(precision: str) -> Any:
