@@ -113,6 +113,8 @@ def _float16_compute(x: Tensor) -> bool:
     if x.dtype == torch.float16:
         return True
     device = x.device.type
+    if not torch.amp.is_autocast_available(device):  # the meta device (ssl-xcit models' shape pass) has none
+        return False
     return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
 
 
