@@ -115,6 +115,15 @@ class TimmConvNeXt(Backbone, ConvNeXt):
         """Tokens (B, N_s, C_s) after the chosen blocks (no norm); width and grid are the block's stage's."""
         return [t.flatten(2).transpose(1, 2) for _, t in self._intermediates(x, n)]
 
+    def get_dense_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Tokens (B, N_s, C_s) of the chosen blocks through the LayerNorm that follows their stage (the next
+        downsampling's, or the final norm): the last block's are ``forward_patch_tokens``'s."""
+        out = []
+        for s, t in self._intermediates(x, n):
+            norm = self.head.norm if s == len(self.stages) - 1 else self.stages[s + 1].downsample[0]
+            out.append(norm(t).flatten(2).transpose(1, 2))
+        return out
+
     def get_intermediate_cls(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
         """Per chosen block, the spatial mean through the LayerNorm that follows its stage (the next
         downsampling's, or the final one), (B, C_s); for the last block this equals ``forward``."""

@@ -149,6 +149,11 @@ class DinoV3ViT(Backbone, Eva):
         """The pooled embedding (CLS after the final norm) of each chosen block."""
         return [self.forward_head(self.norm(t), pre_logits=True) for t in self._block_outputs(x, n)]
 
+    def get_dense_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
+        """Patch tokens (B, N, C) of the chosen blocks after the final norm, CLS and registers removed (what
+        DINOv3's segmentation probe reads: ``get_intermediate_layers(..., norm=True)``)."""
+        return [self.norm(t)[:, self.num_prefix_tokens :] for t in self._block_outputs(x, n)]
+
     def get_attention_maps(self, x: Tensor) -> tuple[list[Tensor], tuple[int, int]]:
         """The CLS query's attention over the patches in the last block (B, heads, h*w) (RoPE applied,
         registers left out), and the grid."""

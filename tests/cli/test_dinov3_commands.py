@@ -108,10 +108,15 @@ def test_every_command_runs_on_the_family(name, twenty_flowers, shared_data, tmp
                    "--default-root-dir", str(tmp_path / "lin"), *common])  # fmt: skip
     assert linear["feature_dim"] == teacher.embed_dim
     seg_train, seg_val = _segment_folder(tmp_path / "seg_train", 2), _segment_folder(tmp_path / "seg_val", 1)
-    seg = main(["segment", "--weights", str(out), "--train", str(seg_train), "--val", str(seg_val), "--epochs",
-                "1", "--num-workers", "0", "--accelerator", "cpu", "--no-cache", "--no-progress",
-                "--short-side", "64", "--output", str(tmp_path / "seg.json")])  # fmt: skip
-    assert 0 <= seg["pixel_acc"] <= 100
+    # DINOv2's protocol (augmented crops, sliding windows over get_dense_layers), then the cached fast probe.
+    for budget in (
+        ["--iters", "2", "--crop-size", "64", "--stride", "48", "--batch-size", "2"],
+        ["--fast", "--epochs", "1"],
+    ):
+        seg = main(["segment", "--weights", str(out), "--train", str(seg_train), "--val", str(seg_val), *budget,
+                    "--num-workers", "0", "--accelerator", "cpu", "--no-cache", "--no-progress",
+                    "--short-side", "64", "--output", str(tmp_path / "seg.json")])  # fmt: skip
+        assert 0 <= seg["pixel_acc"] <= 100
     mini = shared_data / "retrieval_mini" / "ukbench"
     db = [str(mini / f"ukbench0000{i}.jpg") for i in range(4)]
     spec = {"database": db, "queries": db[:1], "positives": [[1, 2, 3]], "junk": [[]]}

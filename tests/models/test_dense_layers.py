@@ -84,3 +84,31 @@ def test_bixt_tokens_are_normed_by_the_next_layers_token_ln():
         torch.testing.assert_close(tokens, cut.forward_patch_tokens(x)[0])
     with pytest.raises(Exception, match="bi-directional layers 0 .. 2"):
         full.get_dense_layers(x, [3])
+
+
+@torch.no_grad()
+def test_dinov3_vit_tokens_are_timms_normed_intermediates_without_registers():
+    torch.manual_seed(0)
+    model = create_model("vit_small_patch16_dinov3", depth=3).eval()
+    x = torch.randn(2, 3, 32, 48)
+    ours = model.get_dense_layers(x, 3)
+    theirs = model.forward_intermediates(x, indices=3, norm=True, output_fmt="NLC", intermediates_only=True)
+    assert len(ours) == 3 and ours[0].shape == (2, 6, 384)  # CLS and the 4 registers left out
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ours[-1], model.forward_patch_tokens(x)[0])
+
+
+@torch.no_grad()
+def test_convnext_tokens_are_layer_normed_over_channels_after_their_stage():
+    torch.manual_seed(0)
+    model = create_model("convnext_tiny", depths=(1, 1, 2, 1)).eval()
+    x = torch.randn(1, 3, 64, 96)
+    layers = model.get_dense_layers(x, 3)  # stage 3's two blocks (stride 16), stage 4's one (stride 32)
+    assert [tuple(t.shape) for t in layers] == [(1, 24, 384), (1, 24, 384), (1, 6, 768)]
+    torch.testing.assert_close(layers[-1], model.forward_patch_tokens(x)[0])
+    raw = model.get_intermediate_layers(x, 3)
+    norm = model.stages[3].downsample[0]  # the LayerNorm2d opening stage 4
+    for tokens, before in zip(layers[:2], raw[:2], strict=True):
+        expected = torch.nn.functional.layer_norm(before, (384,), norm.weight, norm.bias, norm.eps)
+        torch.testing.assert_close(tokens, expected)
