@@ -251,9 +251,11 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
 
     def use_gram_crops(self, scale: int | None) -> None:
         """Cut the Gram teacher's 2 crops into every batch (None: not): each global crop's box and flip at ``scale``
-        x its side, undistorted. ``setup`` reads ``scale`` from the trainer's model (its ``gram_crops_scale``)."""
-        size = None if scale is None else int(scale) * self.hparams.global_crops_size
-        self.cpu_transform.gram_crops_size = self.geometry.gram_crops_size = size
+        x its side, undistorted. ``setup`` reads ``scale`` from the trainer's model (its ``gram_crops_scale``).
+        Every stage gets them, at ``scale`` x that stage's own global side (the high-resolution stage too)."""
+        for crops in self._stages.values():
+            size = None if scale is None else int(scale) * crops.geometry.global_crops_size
+            crops.cpu.gram_crops_size = crops.geometry.gram_crops_size = size
 
     def setup(self, stage: str | None = None) -> None:
         model = getattr(self.trainer, "lightning_module", None)  # before the loaders copy the transforms

@@ -64,6 +64,29 @@ def test_the_last_epochs_crop_larger_and_a_mid_stage_resume_keeps_the_stage(tmp_
     assert resumed.seen == [(2, 5, 32, 16)]
 
 
+class GramCropSizes(L.Callback):
+    """(global side, Gram teacher crop side) of every training batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        crops = batch[0]
+        self.seen.append((crops["crops"][0].shape[-1], crops["gram_crops"][0].shape[-1]))
+
+
+@pytest.mark.parametrize("scale", [1, 2])
+def test_the_gram_teacher_gets_its_crops_in_the_high_res_stage_too(tmp_path, scale):
+    # The stage's loader used to cut no Gram crops: a continued run that anchors (continue_dinov3.yaml) ended
+    # with "Gram anchoring needs 2 Gram teacher crops ... got none" when its last epochs began.
+    root = make_tree(tmp_path / "data", per_class=4, size=40)
+    sizes = GramCropSizes()
+    model = DINO(**TINY, gram_loss_weight=1.0, gram_start_step=0, gram_resolution_scale=scale)
+    L.seed_everything(0)
+    _trainer(tmp_path, [sizes], max_epochs=2).fit(model, datamodule=_data(root))
+    assert sizes.seen == [(16, 16 * scale)] * 2 + [(32, 32 * scale)] * 2
+
+
 def test_bad_high_res_settings_are_one_line():
     for epochs, sizes, match in [
         (-1, None, "high_res_epochs must be an integer >= 0"),
