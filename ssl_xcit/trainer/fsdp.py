@@ -8,7 +8,8 @@ teacher, the Gram teacher and a distillation teacher are sharded exactly like th
 holds the same slice of a parameter in all of them and the EMA update is local (:func:`local_parameters`).
 
 With ``bf16-mixed`` the units compute in bf16, reduce gradients in float32 and keep float32 master weights
-(DINOv3's ``MixedPrecisionPolicy``). Lightning refuses ``16-mixed`` under this strategy.
+(DINOv3's ``MixedPrecisionPolicy``). ``16-mixed`` is refused (:func:`refuse_scaled_precision`); on a CPU,
+Lightning turns a ``16-mixed`` flag into ``bf16-mixed`` before any strategy sees it, as for DDP.
 
 Not supported: ``compile`` (DINOv3 compiles per block; untested here) and tensor parallelism.
 """
@@ -62,6 +63,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
 
     def setup_environment(self) -> None:
+        refuse_scaled_precision(self.precision_plugin)
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         if self._tensor_parallel_size == "auto":
@@ -96,6 +98,18 @@ class FSDP2Strategy(ModelParallelStrategy):
         # root unit gathered; the state dict must see the shards.
         reshard(self.lightning_module)
         return super().lightning_module_state_dict()
+
+
+def refuse_scaled_precision(plugin: Any) -> None:
+    """Refuse ``16-mixed`` before any process group or model exists. Lightning refuses it for a
+    ``ModelParallelStrategy`` instance only, not for a registered name: its GradScaler would reach here (on
+    CUDA, or given as a plugin) and each rank would decide from its own shards whether a step overflowed."""
+    precision = str(getattr(plugin, "precision", ""))
+    if precision.startswith("16") or getattr(plugin, "scaler", None) is not None:
+        raise UserError(
+            f"{precision} is not supported under --trainer.strategy fsdp2 (a GradScaler's overflow check would "
+            "see only each rank's shards); use --trainer.precision bf16-mixed (DINOv3's) or 32-true"
+        )
 
 
 def _replace(new: Path, path: Path) -> None:

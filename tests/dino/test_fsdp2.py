@@ -22,6 +22,27 @@ def test_fsdp2_is_a_registered_strategy_name():
     assert isinstance(trainer.strategy, FSDP2Strategy)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_whole"])
+def test_16_mixed_under_the_registered_name_is_refused_in_one_line(strategy):
+    """Lightning refuses 16-mixed only for a ``ModelParallelStrategy`` instance: under the registered name a
+    GradScaler (given as a plugin, or CUDA's) went through, and each rank would decide from its own shards
+    whether a step overflowed. The refusal comes before any process group or model setup."""
+    from lightning.pytorch.plugins import MixedPrecision
+    from torch.utils.data import DataLoader
+
+    from ssl_xcit.dino.module import DINO
+    from ssl_xcit.errors import UserError
+
+    scaler = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, plugins=[scaler], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    model = DINO("vit_tiny_patch16_224", backbone_kwargs={"depth": 1, "patch_size": 8}, out_dim=8)
+    with pytest.raises(UserError, match=r"^16-mixed is not supported under --trainer.strategy fsdp2") as err:
+        trainer.fit(model, DataLoader(range(4)))
+    assert "bf16-mixed" in str(err.value) and "\n" not in str(err.value)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize(
     "name,kwargs,expected",
     [

@@ -247,9 +247,11 @@ def callbacks(out: Path) -> list[L.Callback]:
 
 def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, *, batch: int = MICRO,
         fused: bool | None = None, preempt: bool = False, ckpt_path: Path | None = None,
-        census: bool = False, data_row: dict | None = None) -> dict[str, Any]:  # fmt: skip
-    """One fit of ``row``; its state, losses and census windows."""
+        census: bool = False, data_row: dict | None = None, strategy: str | None = None,
+        ) -> dict[str, Any]:  # fmt: skip
+    """One fit of ``row`` (under ``strategy``, else the row's); its state, losses and census windows."""
     from lightning.pytorch.loggers import CSVLogger
+    from matrix_strategy import module_state, optimizer_state, trainer_strategy
 
     from ssl_xcit.data.datasets import collate_train
     from ssl_xcit.data.resumable import resumable_loader
@@ -262,7 +264,7 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
     rank = int(os.environ.get("RANK", "0"))
     record = Record(preempt)
     trainer = L.Trainer(
-        accelerator=accelerator, devices=world_size, strategy="ddp" if world_size > 1 else "auto",
+        accelerator=accelerator, devices=world_size, strategy=strategy or trainer_strategy(row, world_size),
         max_epochs=1, logger=CSVLogger(out, name="csv"), log_every_n_steps=50, num_sanity_val_steps=0,
         enable_model_summary=False, callbacks=[record, *callbacks(out)], default_root_dir=out,
         **precision_args(row["precision"], accelerator),
@@ -279,13 +281,9 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
             trainer.fit(model, loader, ckpt_path=ckpt_path)
     except Preempted as err:
         stopped = str(err.checkpoint)
-    optimizer = trainer.optimizers[0]
     return {
-        "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
-        "optimizer": [
-            {k: v.detach().float().clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
-            for s in (optimizer.state[p] for g in optimizer.param_groups for p in g["params"])
-        ],
+        "state": module_state(model),  # whole tensors: FSDP2's shards gathered
+        "optimizer": optimizer_state(trainer.optimizers[0]),
         "losses": [None if x is None else float(x) for x in record.losses],
         "scaler_skips": scaler_skips(record.scales),
         "global_step": trainer.global_step,
@@ -375,8 +373,10 @@ def uninterrupted_and_resumed(row: dict, folder: Path, world_size: int, accelera
 
 
 def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> None:
-    """Every run of ``row`` that ``world_size`` makes (see the module docstring), saved under ``out``."""
+    """Every run of ``row`` that ``world_size`` makes (see the module docstring), saved under ``out``; a row
+    that must be refused (``matrix_options.expected_refusal``) saves the refusal instead."""
     from matrix_options import row_id
+    from matrix_options import strategy as strategy_of
 
     folder = out / row_id(row)
     folder.mkdir(parents=True, exist_ok=True)
@@ -399,9 +399,18 @@ def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> 
                 runs["twin"] = fit(
                     row, folder / "twin", 1, accelerator, sources, batch=MICRO * WORLD, fused=False
                 )
+            if strategy_of(row) != "ddp":  # the same run under Lightning's default strategy
+                runs["ddp"] = fit(row, folder / "ddp", 1, accelerator, sources, batch=MICRO * WORLD,
+                                  strategy="auto")  # fmt: skip
     except Exception as err:  # one broken row is a failed row, never the end of the matrix
         import traceback
 
+        from matrix_strategy import refusal
+
+        refused = refusal(row, err)
+        if refused is not None:  # every rank refuses at the same point, before any collective of the fit
+            torch.save(refused, folder / f"ws{world_size}_rank{rank}.pt")
+            return
         runs["error"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-4000:]}
         if world_size > 1:  # the other rank may wait in a collective this one left: end both now
             torch.save(runs, folder / f"ws{world_size}_rank{rank}.pt")
