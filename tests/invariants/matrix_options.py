@@ -82,28 +82,33 @@ def design(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_whole")
 # FSDP2 (``--trainer.strategy fsdp2``: sharded checkpoints; ``fsdp2_whole``: one-file checkpoints) over what it
-# runs: 32-true and bf16-mixed (DINOv3's policy), no compile. The unreadable positions keep one window-closing
+# runs: 32-true and bf16-mixed (DINOv3's policy), torch's default SGD, no compile. The unreadable positions keep one window-closing
 # case (rank 1 only: the ranks must agree) besides none, start and a window with no step; "end" takes the same
 # path as "one_rank" (every rank skips the closing micro-batch). 28 rows (7 objectives x 4 positions).
 FSDP2_AXES: dict[str, tuple[str, ...]] = {
     **AXES,
     "unreadable": ("none", "start", "one_rank", "every_rank"),
     "precision": ("32-true", "bf16-mixed"),
+    "optimizer": ("foreach",),
     "compile": ("off",),
     "strategy": STRATEGIES[1:],
 }
 # What FSDP2 refuses, each a row whose every run must end with this one-line error (matrix_checks.REFUSED):
 # 16-mixed (its GradScaler would decide per shard whether a step overflowed; Lightning's own check sees only a
-# strategy instance, not the registered name), and compile (not supported under fsdp2 yet).
+# strategy instance, not the registered name), compile (not supported under fsdp2 yet) and fused SGD (torch has
+# no DTensor rule for its kernel; fused AdamW has one, but the matrix trains with SGD).
 _BASE = {"accumulate": "1", "unreadable": "none", "precision": "32-true", "optimizer": "foreach",
          "norm": "vit_nobn", "objective": "dino", "compile": "off"}  # fmt: skip
 REFUSALS: dict[str, tuple[dict[str, str], str]] = {
     "16-mixed": ({"precision": "16-mixed"}, "16-mixed is not supported under --trainer.strategy fsdp2"),
     "compile": ({"compile": "aot_eager"}, "compile is not supported under --trainer.strategy fsdp2"),
+    "fused": (
+        {"optimizer": "fused"},
+        "torch has no fused sgd for sharded (--trainer.strategy fsdp2) parameters",
+    ),
 }
-REFUSED_ROWS = [
-    {**_BASE, **change, "strategy": s}
-    for (change, _), s in zip(REFUSALS.values(), STRATEGIES[1:], strict=True)
+REFUSED_ROWS = [  # the two FSDP2 strategies in turn
+    {**_BASE, **change, "strategy": STRATEGIES[1 + i % 2]} for i, (change, _) in enumerate(REFUSALS.values())
 ]
 
 
