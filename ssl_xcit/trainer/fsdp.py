@@ -8,7 +8,7 @@ teacher, the Gram teacher and a distillation teacher are sharded exactly like th
 holds the same slice of a parameter in all of them and the EMA update is local (:func:`local_parameters`).
 
 With ``bf16-mixed`` the units compute in bf16, reduce gradients in float32 and keep float32 master weights
-(DINOv3's ``MixedPrecisionPolicy``). ``16-mixed`` is refused (:func:`refuse_scaled_precision`); on a CPU,
+(DINOv3's ``MixedPrecisionPolicy``); BatchNorms (XCiT's, which DINOv3's ViTs lack) keep float32 weights. ``16-mixed`` is refused (:func:`refuse_scaled_precision`); on a CPU,
 Lightning turns a ``16-mixed`` flag into ``bf16-mixed`` before any strategy sees it, as for DDP.
 
 Not supported: ``compile`` (DINOv3 compiles per block; untested here) and tensor parallelism.
@@ -161,9 +161,14 @@ def _policy(precision: str) -> Any:
 
 def shard_backbone(backbone: nn.Module, mesh: Any, policy: Any) -> None:
     """One unit per block, then the backbone's own unit (stem, positional terms, norms) around ``forward``
-    and every method in ``FORWARD_METHODS``. A backbone with no block list is one unit as a whole."""
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    and every method in ``FORWARD_METHODS``. A backbone with no block list is one unit as a whole. Under a
+    reduced-precision policy each BatchNorm is a float32 unit of its own first (as autocast leaves it: its
+    float32 running statistics and bf16 weights cannot meet in one kernel)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+    if policy.param_dtype is not None:  # its running statistics stay float32: so must its weights
+        for norm in [m for m in backbone.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype))
     for block in blocks(backbone):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(backbone, mesh=mesh, mp_policy=policy)

@@ -112,3 +112,38 @@ def test_activation_checkpointing_under_ddp_and_fsdp2_equals_the_run_without(fam
             for network in ("student", "teacher"):
                 for key, value in plain[network].items():
                     torch.testing.assert_close(run[network][key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_bf16_mixed_keeps_batchnorm_in_float32_on_one_process():
+    """XCiT's BatchNorms (patch embedding, LPI) under DINOv3's bf16 policy: their weights were gathered in
+    bf16 while their running statistics stay float32, and a 1-process run (plain BatchNorm: nothing synced)
+    stopped at the first forward ("expected scalar type BFloat16 but found Float"). Each BatchNorm is now a
+    unit of its own in float32; the blocks still compute in bf16. A real 1-rank gloo group, destroyed after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ssl_xcit.trainer.fsdp import _policy, shard_backbone
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        backbone = create_model("xcit_nano_12_p8", depth=1)
+        norms = [m for m in backbone.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        assert norms
+        seen: dict[str, torch.dtype] = {}
+
+        def record(name: str):
+            def hook(module, args) -> None:
+                seen.setdefault(name, next(module.parameters()).dtype)
+
+            return hook
+
+        for name, m in (("norm", norms[0]), ("block", blocks(backbone)[0])):
+            m.register_forward_pre_hook(record(name))
+        shard_backbone(backbone, init_device_mesh("cpu", (1,)), _policy("bf16-mixed"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = backbone(torch.randn(2, 3, 16, 16))
+        out.float().sum().backward()
+        assert seen == {"norm": torch.float32, "block": torch.bfloat16}
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in backbone.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -22,10 +22,11 @@ sys.path.insert(0, str(HERE))
 
 import matrix_checks  # noqa: E402
 import matrix_worker  # noqa: E402
-from matrix_options import (  # noqa: E402, F401 (pairwise, fsdp2_design: gpu_check_*.py)
+from matrix_options import (  # noqa: E402, F401 (pairwise, fsdp2_design, expected_refusal: gpu_check_matrix.py)
     AXES,
     STRATEGIES,
     design,
+    expected_refusal,
     fsdp2_design,
     full_design,
     pairwise,
