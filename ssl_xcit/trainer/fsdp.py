@@ -93,6 +93,28 @@ class FSDP2Strategy(ModelParallelStrategy):
             _replace(partial, path)
         self.barrier()
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded folder loads as Lightning loads it. A one-file checkpoint (``fsdp2_whole``, a gathered
+        folder) goes through the module's own ``load_state_dict``, each whole tensor cut to this rank's shard:
+        Lightning's own path sets parameters and buffers submodule by submodule, so it asked for a
+        distillation teacher the checkpoint leaves out (``Distill.state_dict``) and never restored a
+        module's extra state (the Gram teacher's taken/refresh record)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        module = self.lightning_module
+        strict = module.strict_loading
+        load_state_as_shards(module, checkpoint.pop("state_dict"), strict=strict)
+        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
+        for index, optimizer in enumerate(self.optimizers):
+            state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][index], self.model)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # A network that ran a forward with no backward since (the EMA teacher, a validation pass) keeps its
         # root unit gathered; the state dict must see the shards.
@@ -260,6 +282,23 @@ def load_whole_state(module: nn.Module, state: dict[str, torch.Tensor], strict: 
 
     reshard(module)
     set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def load_state_as_shards(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """``module.load_state_dict(state)`` for a whole ``state`` every rank holds: each tensor whose place in the
+    module is sharded is cut to this rank's slice locally (no communication), then the module's own
+    ``load_state_dict`` runs, with its overrides and every submodule's extra state."""
+    from torch.distributed.tensor import distribute_tensor
+
+    reshard(module)
+    current = module.state_dict()
+    state = dict(state)
+    for key, value in state.items():
+        placed = current.get(key)
+        if isinstance(placed, DTensor) and not isinstance(value, DTensor):
+            value = value.to(device=placed.device, dtype=placed.dtype)
+            state[key] = distribute_tensor(value, placed.device_mesh, placed.placements, src_data_rank=None)
+    module.load_state_dict(state, strict=strict)
 
 
 def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
