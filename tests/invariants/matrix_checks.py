@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 
 import torch
-from matrix_options import expected_refusal, strategy
-from matrix_worker import accumulation_exact, census_module, skipped_micro_batches
+from matrix_options import accumulation_exact, expected_refusal, strategy
+from matrix_worker import census_module, skipped_micro_batches
 
 COLUMNS = (
     "ranks equal", "2 proc = 1 proc", "accumulation = concatenation", "host reads",

@@ -145,3 +145,18 @@ def covered(rows: list[dict[str, str]], axes: dict[str, tuple[str, ...]] = AXES)
     """Whether ``rows`` hold every pair of values of every two axes."""
     found = set().union(*(_pairs(r, axes) for r in rows)) if rows else set()
     return _uncovered(axes) <= found
+
+
+def accumulation_exact(row: dict[str, str]) -> str | None:
+    """None when accumulating ``row``'s micro-batches must equal one step over their concatenation, else why
+    not. Nothing may depend on the batch split: not BatchNorm's batch statistics (XCiT: 4 images vs 4k),
+    KoLeo's neighbours or Sinkhorn-Knopp's equipartition over the batch, not iBOT's mask draws (seeded per
+    micro-batch); and with an unreadable micro-batch the window's gradient is its readable micro-batches'
+    sum / k, which no concatenated batch gives."""
+    if row["accumulate"] == "1":
+        return "k = 1"
+    if row["unreadable"] != "none":
+        return "unreadable"
+    if row["norm"] == "xcit_syncbn":
+        return "BatchNorm statistics"
+    return {"koleo": "KoLeo, Sinkhorn-Knopp", "ibot": "iBOT masks, Sinkhorn-Knopp"}.get(row["objective"])

@@ -1,5 +1,5 @@
-"""The strategy axis of the invariant matrix (``matrix_options.FSDP2_AXES``): what an FSDP2 row's runs do
-differently from DDP's.
+"""The trainer settings of a matrix row's runs: its precision (the CPU GradScaler of ``16-mixed``) and its
+strategy (``matrix_options.FSDP2_AXES``: what an FSDP2 row's runs do differently from DDP's).
 
 An FSDP2 row trains under ``--trainer.strategy fsdp2`` (sharded checkpoints) or ``fsdp2_whole`` (one file) on
 2 processes and on 1 (a 1-rank mesh); its 1-process references add ``ddp``, the same run under Lightning's
@@ -23,6 +23,23 @@ def trainer_strategy(row: dict[str, str], world_size: int) -> str:
     import ssl_xcit.trainer.fsdp  # noqa: F401 (registers the names)
 
     return name
+
+
+def precision_args(precision: str, accelerator: str) -> dict[str, Any]:
+    """``16-mixed`` on the CPU needs its GradScaler given: Lightning otherwise runs bf16 with no scaler."""
+    if precision == "16-mixed":
+        from lightning.pytorch.plugins import MixedPrecision
+
+        scaler = torch.amp.GradScaler(accelerator, init_scale=scaler_init())
+        return {"plugins": [MixedPrecision("16-mixed", accelerator, scaler)]}
+    return {"precision": precision}
+
+
+def scaler_init() -> float:
+    """The CPU GradScaler's first scale (``matrix_worker.SCALER_INIT`` says why)."""
+    from matrix_worker import SCALER_INIT
+
+    return SCALER_INIT
 
 
 def module_state(model: Any) -> dict[str, torch.Tensor]:
