@@ -40,8 +40,8 @@ def _matrix_rows() -> list[tuple[str, None]]:
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    matrix = sys.modules["invariant_matrix"]
     rows = module.cuda_rows()[: module.DRY_ROWS] + module.fsdp2_rows()[: module.DRY_ROWS]
+    matrix = sys.modules["invariant_matrix"]  # loaded by cuda_rows
     return [(f"matrix {matrix.row_id(r)}", None) for r in rows]
 
 
