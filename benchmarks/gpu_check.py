@@ -6,7 +6,9 @@ KoLeo's neighbours under bf16 autocast against float64's; compile on and off; iB
 compile must cover the masked pass); ``augment_on`` cpu and device; host syncs per step (``sync_count.py``),
 with the recipe's progress bar off and on, and under 16-mixed with the toolkit's default optimiser for it;
 the throughput benchmark; the invariant matrix's CUDA rows (``MATRIX_ROWS``: ``gpu_check_matrix.py``); with 2 or
-more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``). Rows with
+more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``); FSDP2 on
+NCCL (``gpu_check_fsdp2.py``: 1 process, and 2 with 2 GPUs, equal to the 1-process run; bf16-mixed's dtypes;
+a sharded checkpoint resumed bit for bit). Rows with
 the same settings share one run; with 2 GPUs also DDP + compile and DDP with 2 accumulated micro-batches, each
 against its 1-process run. A row passes when its run ends with the steps asked for and finite weights
 and loss (and its own condition where it has one). Exit status 1 when any row fails.
@@ -359,6 +361,7 @@ SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
     "ddp_compile": lambda c: [ddp_row(c, "compile")],
     "ddp_accumulate": lambda c: [ddp_row(c, "accumulate")],
     "matrix": matrix_rows,
+    "fsdp2": lambda c: _load("gpu_check_fsdp2").rows(c),
 }
 
 

@@ -10,8 +10,12 @@ tolerance. fp32 with TF32 off, so the only difference left is the order of the r
 
 MODE ``plain`` (the default); ``compile``: both runs with ``compile: true`` (DDP around compiled backbones,
 synchronised BatchNorm inside them); ``accumulate``: both runs accumulate 2 micro-batches of 8 images per step
-(4 per rank), so each micro-batch of the 2-process run is the union of the ranks' halves of the 1-process one.
-Writes OUT/teacher_ws{WORLD_SIZE}_{MODE}.pt (rank 0): the teacher's state dict and the optimiser steps.
+(4 per rank), so each micro-batch of the 2-process run is the union of the ranks' halves of the 1-process one;
+``fsdp2``: ``--trainer.strategy fsdp2`` at either size (a 1-rank mesh for 1 process; NCCL on CUDA);
+``fsdp2_bf16``: the same in ``bf16-mixed``, recording the dtypes its first block computes in and the sharded
+parameters' and gradients' dtypes (DINOv3's policy: bf16 compute, float32 master weights and reduction).
+Writes OUT/teacher_ws{WORLD_SIZE}_{MODE}.pt (rank 0): the teacher's state dict (gathered whole under FSDP2),
+the optimiser steps and, for ``fsdp2_bf16``, the dtypes.
 """
 
 from __future__ import annotations
@@ -45,7 +49,29 @@ class FixedCrops(Dataset):
         return [torch.randn(3, s, s, generator=g) + (i % 3) for s in sizes], i % 3, i
 
 
-MODES = ("plain", "compile", "accumulate")
+MODES = ("plain", "compile", "accumulate", "fsdp2", "fsdp2_bf16")
+
+
+class Dtypes(L.Callback):
+    """The dtype of the first block's weights as its forward sees them, and the sharded parameters' and
+    their gradients' dtypes before each optimiser step."""
+
+    def __init__(self) -> None:
+        self.compute: set[str] = set()
+        self.params: set[str] = set()
+        self.grads: set[str] = set()
+
+    def on_train_start(self, trainer, pl_module):
+        from ssl_xcit.models.activation_checkpointing import blocks
+
+        block = blocks(pl_module.student.backbone)[0]
+        block.register_forward_pre_hook(lambda m, a: self.compute.add(str(next(m.parameters()).dtype)))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for p in pl_module.student.parameters():
+            self.params.add(f"{type(p).__name__} {p.dtype}")
+            if p.grad is not None:
+                self.grads.add(str(p.grad.dtype))
 
 
 def run(out: str, world_size: int, accelerator: str, size: int, mode: str = "plain") -> None:
@@ -66,10 +92,18 @@ def run(out: str, world_size: int, accelerator: str, size: int, mode: str = "pla
         centering="sinkhorn_knopp", koleo_weight=0.0, warmup_epochs=0, optimizer="sgd", lr=1.0,
         freeze_last_layer=0, collapse_guard="off", compile=mode == "compile", accumulate_grad_batches=accumulate,
     )  # fmt: skip
+    strategy = "ddp" if world_size > 1 else "auto"
+    if mode.startswith("fsdp2"):
+        import ssl_xcit.trainer.fsdp  # noqa: F401 (registers the strategy names)
+
+        strategy = "fsdp2"
+    dtypes = Dtypes()
     trainer = L.Trainer(
-        accelerator=accelerator, devices=world_size, strategy="ddp" if world_size > 1 else "auto",
-        precision="32-true", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False,
+        accelerator=accelerator, devices=world_size, strategy=strategy,
+        callbacks=[dtypes] if mode.startswith("fsdp2") else [],
+        precision="bf16-mixed" if mode == "fsdp2_bf16" else "32-true", max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
     )  # fmt: skip
     dataset = FixedCrops(size)
     sampler = None
@@ -85,9 +119,12 @@ def run(out: str, world_size: int, accelerator: str, size: int, mode: str = "pla
         collate_fn=collate_train,
     )
     trainer.fit(model, loader)
+    from ssl_xcit.trainer.fsdp import whole_state_dict
+
+    state = {k: v.cpu() for k, v in whole_state_dict(model.teacher).items()}  # every rank: FSDP2 gathers
     if trainer.global_rank == 0:
-        state = {k: v.detach().cpu() for k, v in model.teacher.state_dict().items()}
-        result = {"teacher": state, "steps": trainer.global_step}
+        result = {"teacher": state, "steps": trainer.global_step,
+                  "dtypes": {k: sorted(getattr(dtypes, k)) for k in ("compute", "params", "grads")}}  # fmt: skip
         torch.save(result, Path(out) / f"teacher_ws{world_size}_{mode}.pt")
 
 

@@ -4,7 +4,8 @@ The rows of the all-pairs design (``tests/invariants/matrix_options.py``) in ``1
 the precisions GPUs train in: their 1-process runs on one GPU (the census of host reads per steady step, the
 fused against the default optimiser, accumulation against concatenation, finite weights and the step count),
 and with 2 or more GPUs their 2-process NCCL runs too (ranks equal, 2 processes = 1, resume = uninterrupted).
-``--dry-run`` runs the first ``DRY_ROWS`` of them on the CPU, one process.
+FSDP2's first bf16-mixed rows run the same way (NCCL on a 1-GPU mesh; 2 processes with 2 GPUs).
+``--dry-run`` runs the first ``DRY_ROWS`` of each on the CPU, one process.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 MATRIX = Path(__file__).resolve().parents[1] / "tests" / "invariants" / "matrix.py"
 CUDA_ROWS = 8  # the 7 16-mixed rows and a bf16-mixed one; ~20 s each on one GPU (2-3 fits)
-DRY_ROWS = 1
+FSDP2_ROWS = 2  # FSDP2's first bf16-mixed rows (sharded and whole checkpoints): NCCL on a 1-GPU mesh, or 2
+DRY_ROWS = 1  # of each
 
 
 def _matrix() -> Any:
@@ -37,11 +39,22 @@ def cuda_rows() -> list[dict[str, str]]:
     return sorted(rows, key=lambda r: r["precision"] != "16-mixed")[:CUDA_ROWS]
 
 
+def fsdp2_rows() -> list[dict[str, str]]:
+    """FSDP2's bf16-mixed rows (its GPU precision), one of each checkpoint form first."""
+    matrix = _matrix()
+    rows = [
+        r for r in matrix.fsdp2_design() if r["precision"] == "bf16-mixed" and not matrix.expected_refusal(r)
+    ]
+    firsts = [next(r for r in rows if r["strategy"] == s) for s in ("fsdp2", "fsdp2_whole")]
+    return firsts[:FSDP2_ROWS]
+
+
 def matrix_rows(check: Any) -> list[Any]:
     """One gpu_check row per matrix row: pass when no invariant fails (n.a. cells named in the result)."""
     row_type = sys.modules[type(check).__module__].Row  # gpu_check's, however it was loaded
     matrix = _matrix()
-    rows = cuda_rows()[: DRY_ROWS if check.dry else None]
+    count = DRY_ROWS if check.dry else None
+    rows = cuda_rows()[:count] + fsdp2_rows()[:count]
     worlds = (2, 1) if not check.dry and torch.cuda.device_count() >= 2 else (1,)
     with tempfile.TemporaryDirectory(dir=check.tmp) as tmp:
         results = matrix.run_matrix(rows, Path(tmp), check.accelerator, worlds)

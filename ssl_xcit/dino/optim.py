@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ssl_xcit.errors import UserError
 from ssl_xcit.trainer.fsdp import local_tensors, tensor_norms
@@ -89,6 +90,11 @@ def _check_fused(name: str, params_groups: list[dict]) -> None:
     supported = _get_fused_kernels_supported_devices()
     for group in params_groups:
         for param in group["params"]:
+            if name == "sgd" and isinstance(param, DTensor):  # torch's step would fail on its first call
+                raise UserError(
+                    "torch has no fused sgd for sharded (--trainer.strategy fsdp2) parameters: aten._fused_sgd_ "
+                    "has no DTensor rule; use --model.fused_optimizer false (fused adamw works)"
+                )
             if param.device.type not in supported:
                 raise UserError(
                     f"torch has no fused {name} for parameters on device {param.device.type!r} "

@@ -4,7 +4,8 @@ step and the teacher's EMA.
 - DDP reduces gradients once per window, in the backward of its closing micro-batch (``gradient_sync``). When
   every rank skips that micro-batch (no readable image on some rank), no backward reduces what the window's
   other micro-batches accumulated: :func:`reduce_local_gradients` does DDP's average explicitly, so the ranks
-  step on the same gradients, the ones the readable micro-batches give.
+  step on the same gradients, the ones the readable micro-batches give. FSDP2 reduce-scatters in every
+  backward: its gradients need nothing more.
 - Under a GradScaler (``16-mixed``), the clip must see gradients in true units. Lightning unscales before
   ``on_before_optimizer_step`` only for optimisers that do not unscale themselves; for fused AdamW/SGD
   (``_step_supports_amp_scaling``) :func:`unscale_for_clip` does it. The fused step then takes GradScaler's
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ssl_xcit.dino.init_from import drop_backbone_gradients, head_warmup_steps
 from ssl_xcit.dino.optim import cancel_gradients_last_layer, clip_gradients
@@ -50,8 +52,11 @@ def reduce_local_gradients(
     """Replace each gradient by its mean over the ``world_size`` ranks, as DDP's reduction would have. A
     gradient that is None on some ranks counts as zero there; it stays None only where it is None on every
     rank (so AdamW still skips it, weight decay included). One in-place ``all_reduce`` (sum) of one flat
-    buffer: the gradients, then one presence flag per parameter. Every rank must call it at the same point."""
-    params = [p for p in params if p.requires_grad]
+    buffer: the gradients, then one presence flag per parameter. Every rank must call it at the same point.
+
+    FSDP2's sharded parameters are left alone: it reduce-scatters in every backward (Lightning's
+    ``block_backward_sync`` holds back only DDP), so their gradient shards are reduced already."""
+    params = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
     if not params:
         return
     ref = params[0]

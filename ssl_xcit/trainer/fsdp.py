@@ -8,7 +8,8 @@ teacher, the Gram teacher and a distillation teacher are sharded exactly like th
 holds the same slice of a parameter in all of them and the EMA update is local (:func:`local_parameters`).
 
 With ``bf16-mixed`` the units compute in bf16, reduce gradients in float32 and keep float32 master weights
-(DINOv3's ``MixedPrecisionPolicy``). Lightning refuses ``16-mixed`` under this strategy.
+(DINOv3's ``MixedPrecisionPolicy``); BatchNorms (XCiT's, which DINOv3's ViTs lack) keep float32 weights. ``16-mixed`` is refused (:func:`refuse_scaled_precision`); on a CPU,
+Lightning turns a ``16-mixed`` flag into ``bf16-mixed`` before any strategy sees it, as for DDP.
 
 Not supported: ``compile`` (DINOv3 compiles per block; untested here) and tensor parallelism.
 """
@@ -62,6 +63,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
 
     def setup_environment(self) -> None:
+        refuse_scaled_precision(self.precision_plugin)
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         if self._tensor_parallel_size == "auto":
@@ -91,11 +93,45 @@ class FSDP2Strategy(ModelParallelStrategy):
             _replace(partial, path)
         self.barrier()
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded folder loads as Lightning loads it. A one-file checkpoint (``fsdp2_whole``, a gathered
+        folder) goes through the module's own ``load_state_dict``, each whole tensor cut to this rank's shard:
+        Lightning's own path sets parameters and buffers submodule by submodule, so it asked for a
+        distillation teacher the checkpoint leaves out (``Distill.state_dict``) and never restored a
+        module's extra state (the Gram teacher's taken/refresh record)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        module = self.lightning_module
+        strict = module.strict_loading
+        load_state_as_shards(module, checkpoint.pop("state_dict"), strict=strict)
+        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
+        for index, optimizer in enumerate(self.optimizers):
+            state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][index], self.model)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # A network that ran a forward with no backward since (the EMA teacher, a validation pass) keeps its
         # root unit gathered; the state dict must see the shards.
         reshard(self.lightning_module)
         return super().lightning_module_state_dict()
+
+
+def refuse_scaled_precision(plugin: Any) -> None:
+    """Refuse ``16-mixed`` before any process group or model exists. Lightning refuses it for a
+    ``ModelParallelStrategy`` instance only, not for a registered name: its GradScaler would reach here (on
+    CUDA, or given as a plugin) and each rank would decide from its own shards whether a step overflowed."""
+    precision = str(getattr(plugin, "precision", ""))
+    if precision.startswith("16") or getattr(plugin, "scaler", None) is not None:
+        raise UserError(
+            f"{precision} is not supported under --trainer.strategy fsdp2 (a GradScaler's overflow check would "
+            "see only each rank's shards); use --trainer.precision bf16-mixed (DINOv3's) or 32-true"
+        )
 
 
 def _replace(new: Path, path: Path) -> None:
@@ -147,9 +183,14 @@ def _policy(precision: str) -> Any:
 
 def shard_backbone(backbone: nn.Module, mesh: Any, policy: Any) -> None:
     """One unit per block, then the backbone's own unit (stem, positional terms, norms) around ``forward``
-    and every method in ``FORWARD_METHODS``. A backbone with no block list is one unit as a whole."""
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    and every method in ``FORWARD_METHODS``. A backbone with no block list is one unit as a whole. Under a
+    reduced-precision policy each BatchNorm is a float32 unit of its own first (as autocast leaves it: its
+    float32 running statistics and bf16 weights cannot meet in one kernel)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+    if policy.param_dtype is not None:  # its running statistics stay float32: so must its weights
+        for norm in [m for m in backbone.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype))
     for block in blocks(backbone):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(backbone, mesh=mesh, mp_policy=policy)
@@ -241,6 +282,23 @@ def load_whole_state(module: nn.Module, state: dict[str, torch.Tensor], strict: 
 
     reshard(module)
     set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def load_state_as_shards(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """``module.load_state_dict(state)`` for a whole ``state`` every rank holds: each tensor whose place in the
+    module is sharded is cut to this rank's slice locally (no communication), then the module's own
+    ``load_state_dict`` runs, with its overrides and every submodule's extra state."""
+    from torch.distributed.tensor import distribute_tensor
+
+    reshard(module)
+    current = module.state_dict()
+    state = dict(state)
+    for key, value in state.items():
+        placed = current.get(key)
+        if isinstance(placed, DTensor) and not isinstance(value, DTensor):
+            value = value.to(device=placed.device, dtype=placed.dtype)
+            state[key] = distribute_tensor(value, placed.device_mesh, placed.placements, src_data_rank=None)
+    module.load_state_dict(state, strict=strict)
 
 
 def whole_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -28,7 +28,21 @@ EVERY_ROW = [
     ("host syncs per step", None), ("host syncs per step (progress bar on)", None),
     ("host syncs per step (16-mixed)", None), ("throughput", "--ci --device cpu"),
     ("ddp 2 = 1 process", None), ("ddp 2 + compile = 1 process", None), ("ddp 2, accumulate 2 = 1 process", None),
+    ("fsdp2 1 process = 1 process", None), ("fsdp2 2 = 1 process", None), ("fsdp2 bf16-mixed dtypes", None),
+    ("fsdp2 sharded resume", None),
 ]  # fmt: skip
+
+
+def _matrix_rows() -> list[tuple[str, None]]:
+    """The matrix section's dry rows (``gpu_check_matrix.py``: the first DDP and the first FSDP2 row)."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_matrix", REPO / "benchmarks" / "gpu_check_matrix.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.cuda_rows()[: module.DRY_ROWS] + module.fsdp2_rows()[: module.DRY_ROWS]
+    matrix = sys.modules["invariant_matrix"]  # loaded by cuda_rows
+    return [(f"matrix {matrix.row_id(r)}", None) for r in rows]
 
 
 def parse(out: str) -> dict[tuple[str, str], tuple[str, str]]:
@@ -112,8 +126,9 @@ def test_whole_dry_run_through_the_shell_script():
         env=env, capture_output=True, text=True, timeout=1800, cwd=REPO,
     )  # fmt: skip
     rows = parse(proc.stdout)
-    _check(rows, EVERY_ROW)
-    assert len(rows) == len(EVERY_ROW)
+    expected = EVERY_ROW + _matrix_rows()
+    _check(rows, expected)
+    assert len(rows) == len(expected)
     failed = [k for k, (_, status) in rows.items() if status == "fail"]
     assert proc.returncode == (1 if failed else 0), proc.stderr[-2000:]
     assert set(failed) <= set(PENDING)

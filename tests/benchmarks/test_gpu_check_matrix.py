@@ -29,3 +29,12 @@ def test_cuda_rows_are_the_designs_mixed_precision_rows_16_mixed_first():
     assert all(r["precision"] == "16-mixed" for r in rows[:first_bf16])
     assert {r["optimizer"] for r in rows if r["precision"] == "16-mixed"} == {"foreach", "fused"}
     assert rows == module.cuda_rows()  # deterministic
+
+
+def test_fsdp2_rows_are_one_bf16_row_per_checkpoint_form():
+    module = _module()
+    rows = module.fsdp2_rows()
+    matrix = sys.modules["invariant_matrix"]
+    assert [r["strategy"] for r in rows] == ["fsdp2", "fsdp2_whole"]
+    assert all(r in matrix.fsdp2_design() and r["precision"] == "bf16-mixed" for r in rows)
+    assert not any(matrix.expected_refusal(r) for r in rows)

@@ -44,17 +44,21 @@ CASES: dict[str, tuple[str, dict, tuple[int, ...], dict[str, Any]]] = {
 
 
 class Crops(Dataset):
-    """Deterministic multi-crop items of the given sides."""
+    """Deterministic multi-crop items of the given sides; with ``gram``, also the Gram teacher's crops a model
+    that anchors needs (gram_resolution_scale 1: the global crops' own boxes, as the datamodule cuts them)."""
 
-    def __init__(self, sides: tuple[int, ...]) -> None:
-        self.sides = sides
+    def __init__(self, sides: tuple[int, ...], gram: bool = False) -> None:
+        self.sides, self.gram = sides, gram
 
     def __len__(self) -> int:
         return GLOBAL_BATCH * STEPS
 
     def __getitem__(self, i: int):
         g = torch.Generator().manual_seed(1000 + i)
-        return [torch.randn(3, s, s, generator=g) + (i % 3) for s in self.sides], i % 3, i
+        crops = [torch.randn(3, s, s, generator=g) + (i % 3) for s in self.sides]
+        if self.gram:
+            return {"crops": crops, "gram_crops": [c.clone() for c in crops[:2]]}, i % 3, i
+        return crops, i % 3, i
 
 
 class ComputeDtype(L.Callback):
@@ -89,7 +93,7 @@ def run(out_dir: Path, case: str, strategy: str) -> dict:
                         precision="bf16-mixed" if case == "bf16" else "32-true", enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[record, dtype],
                         use_distributed_sampler=False)  # fmt: skip
-    dataset = Crops(CASES[case][2])
+    dataset = Crops(CASES[case][2], gram="gram_loss_weight" in CASES[case][3])
     sampler = DistributedSampler(dataset, 2, int(os.environ["RANK"]), shuffle=False, drop_last=True)
     loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // 2, sampler=sampler, collate_fn=collate_train)
     trainer.fit(model, loader)

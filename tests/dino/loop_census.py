@@ -12,7 +12,7 @@ of these calls on any tensor counts as a host read (on a GPU each one waits for 
   tensor in the transfer, ``torch.tensor(data, device=<a torch.device>)`` of host data (each a pageable,
   synchronous copy on CUDA);
 - ``collective``: a ``torch.distributed`` collective on the default group, except those the step's math needs
-  (centre and Sinkhorn-Knopp all-reduces, synchronised BatchNorm: ``STEP_COLLECTIVES``).
+  (centre and Sinkhorn-Knopp all-reduces, synchronised BatchNorm, FSDP2's clip norms: ``STEP_COLLECTIVES``).
 
 Not counted: the loader's work inside the fetch (on a GPU run it is host work on host tensors before the
 pinned copy), the optimiser's ``step`` counters (torch keeps them on the CPU unless ``capturable``/``fused``,
@@ -59,10 +59,12 @@ COLLECTIVES = (
 )  # fmt: skip
 # Collectives the step's math needs, by the file that calls them.
 # (torch.distributed.nn's differentiable all-reduce is synchronised BatchNorm's backward.)
+# Under FSDP2, the per-parameter clip's whole-gradient norms: one all-reduce of the local squared norms.
 STEP_COLLECTIVES = (
     "ssl_xcit/dino/loss.py",
     "ssl_xcit/trainer/syncbn.py",
     "torch/distributed/nn/functional.py",
+    "(tensor_norms)",
 )
 # Frames that only wrap the real call site (torch's Python tensor methods, this file).
 _WRAPPERS = (

@@ -16,7 +16,8 @@ written before the resumable loader; one process only), ``images`` (64), ``shard
 prepared as LitData shards, 8 records a chunk; the indices are then record indices), ``s3`` (an ``s3://`` URL:
 with ``shards=1``, the shards are uploaded there and read from it, the endpoint and keys from the environment),
 ``strategy`` (``ddp``; ``fsdp2`` or ``fsdp2_whole`` for FSDP2 with sharded or one-file checkpoints), ``gather``
-(1: resume from the sharded checkpoint gathered into one file).
+(1: resume from the sharded checkpoint gathered into one file), ``gram`` (a step: Gram anchoring from that
+optimiser step, its teacher refreshed every ``gram_every`` steps; the Gram teacher is then recorded too).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ OPTIONS = {
     "s3": "",
     "strategy": "ddp",
     "gather": "0",
+    "gram": "",
+    "gram_every": 0,
 }
 
 
@@ -160,7 +163,15 @@ def _model(opts: dict):
         freeze_last_layer=0,
         accumulate_grad_batches=int(opts["accumulate"]),
         collapse_guard="off",
+        **_gram(opts),
     )
+
+
+def _gram(opts: dict) -> dict:
+    if opts["gram"] == "":
+        return {}
+    return {"gram_loss_weight": 1.0, "gram_start_step": int(opts["gram"]),
+            "gram_refresh_every": int(opts["gram_every"])}  # fmt: skip
 
 
 def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_path=None) -> dict:
@@ -197,6 +208,7 @@ def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_
         "global_step": trainer.global_step,
         "student": whole_state_dict(model.student),
         "teacher": whole_state_dict(model.teacher),
+        "gram": whole_state_dict(model.gram_teacher) if model.gram_teacher is not None else {},
     }
 
 

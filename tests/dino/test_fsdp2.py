@@ -22,6 +22,27 @@ def test_fsdp2_is_a_registered_strategy_name():
     assert isinstance(trainer.strategy, FSDP2Strategy)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_whole"])
+def test_16_mixed_under_the_registered_name_is_refused_in_one_line(strategy):
+    """Lightning refuses 16-mixed only for a ``ModelParallelStrategy`` instance: under the registered name a
+    GradScaler (given as a plugin, or CUDA's) went through, and each rank would decide from its own shards
+    whether a step overflowed. The refusal comes before any process group or model setup."""
+    from lightning.pytorch.plugins import MixedPrecision
+    from torch.utils.data import DataLoader
+
+    from ssl_xcit.dino.module import DINO
+    from ssl_xcit.errors import UserError
+
+    scaler = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, plugins=[scaler], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    model = DINO("vit_tiny_patch16_224", backbone_kwargs={"depth": 1, "patch_size": 8}, out_dim=8)
+    with pytest.raises(UserError, match=r"^16-mixed is not supported under --trainer.strategy fsdp2") as err:
+        trainer.fit(model, DataLoader(range(4)))
+    assert "bf16-mixed" in str(err.value) and "\n" not in str(err.value)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.parametrize(
     "name,kwargs,expected",
     [
@@ -91,3 +112,38 @@ def test_activation_checkpointing_under_ddp_and_fsdp2_equals_the_run_without(fam
             for network in ("student", "teacher"):
                 for key, value in plain[network].items():
                     torch.testing.assert_close(run[network][key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_bf16_mixed_keeps_batchnorm_in_float32_on_one_process():
+    """XCiT's BatchNorms (patch embedding, LPI) under DINOv3's bf16 policy: their weights were gathered in
+    bf16 while their running statistics stay float32, and a 1-process run (plain BatchNorm: nothing synced)
+    stopped at the first forward ("expected scalar type BFloat16 but found Float"). Each BatchNorm is now a
+    unit of its own in float32; the blocks still compute in bf16. A real 1-rank gloo group, destroyed after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ssl_xcit.trainer.fsdp import _policy, shard_backbone
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        backbone = create_model("xcit_nano_12_p8", depth=1)
+        norms = [m for m in backbone.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        assert norms
+        seen: dict[str, torch.dtype] = {}
+
+        def record(name: str):
+            def hook(module, args) -> None:
+                seen.setdefault(name, next(module.parameters()).dtype)
+
+            return hook
+
+        for name, m in (("norm", norms[0]), ("block", blocks(backbone)[0])):
+            m.register_forward_pre_hook(record(name))
+        shard_backbone(backbone, init_device_mesh("cpu", (1,)), _policy("bf16-mixed"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = backbone(torch.randn(2, 3, 16, 16))
+        out.float().sum().backward()
+        assert seen == {"norm": torch.float32, "block": torch.bfloat16}
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in backbone.parameters())
+    finally:
+        dist.destroy_process_group()

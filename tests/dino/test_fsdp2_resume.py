@@ -36,3 +36,30 @@ def test_fsdp2_resumes_mid_epoch_exactly_once(tmp_path, strategy, gather):
         for net in ("student", "teacher"):
             for key, value in r["full"][net].items():
                 assert torch.equal(r["resumed"][net][key], value), f"{net}.{key}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "gram", ["10", "5"], ids=["gram-starts-after-the-checkpoint", "gram-on-in-the-checkpoint"]
+)
+def test_fsdp2_resumes_gram_anchoring_on_either_side_of_its_start(tmp_path, gram):
+    """Sharded checkpoint of step 9 (2 gloo processes): Gram anchoring starting at step 10 (the checkpoint holds
+    a Gram teacher not yet taken: the resumed run takes it from its own EMA teacher) or at step 5 (the
+    checkpoint holds the Gram teacher of step 5, refreshed after step 8; the resumed run refreshes again
+    after step 12). Student, EMA teacher and Gram teacher end bit-identical to the uninterrupted run's."""
+    opts = ["epochs=2", "every=3", "crash=11", "strategy=fsdp2", f"gram={gram}", "gram_every=4"]
+    torchrun(WORKER, str(tmp_path), "2", *opts, timeout=600)
+    assert (tmp_path / "ckpt" / "last.ckpt").is_dir()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in ranks:
+        _check_crash_point(r, 9)
+    _assert_exactly_once(ranks, epochs=2)
+    for r in ranks:
+        assert r["full"]["gram"], "no Gram teacher recorded"
+        for net in ("student", "teacher", "gram"):
+            for key, value in r["full"][net].items():
+                assert torch.equal(r["resumed"][net][key], value), f"{net}.{key}"
+        # Compared above too: (initialised, refreshes). The Gram teacher was taken and refreshed after the start.
+        initialised, refreshes = r["full"]["gram"]["_extra_state"].tolist()
+        assert initialised == 1 and refreshes >= 1

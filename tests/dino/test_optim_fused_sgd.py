@@ -50,3 +50,29 @@ def test_a_first_fused_sgd_step_skipped_on_overflow_leaves_no_uninitialised_mome
         return param.detach()
 
     torch.testing.assert_close(train(True), train(False), rtol=1e-6, atol=1e-7)
+
+
+def test_fused_sgd_over_sharded_parameters_is_refused_when_built():
+    """torch has no DTensor rule for ``aten._fused_sgd_``: under FSDP2 a fused SGD crashed at its first step
+    (``NotImplementedError``, the matrix's fused FSDP2 rows). It is refused when built, in one line; fused
+    AdamW has the rule and stays allowed. Two fake ranks: no collective runs."""
+    import pytest
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ssl_xcit.dino.optim import build_optimizer
+    from ssl_xcit.errors import UserError
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        param = torch.nn.Parameter(DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)]))
+        with pytest.raises(UserError, match=r"fused sgd .*sharded.*fused_optimizer false"):
+            build_optimizer("sgd", [{"params": [param]}], fused=True)
+        param.grad = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
+        build_optimizer("adamw", [{"params": [param]}], fused=True).step()
+        build_optimizer("sgd", [{"params": [param]}], fused=False).step()
+    finally:
+        dist.destroy_process_group()

@@ -35,3 +35,31 @@ def test_reduce_averages_and_keeps_none_only_where_every_rank_has_none():
     torch.testing.assert_close(mine[1].grad, torch.tensor([4.5, 4.5, 1.5]))
     torch.testing.assert_close(mine[2].grad, torch.tensor([2.0, 3.0, 4.0, 5.0]))
     assert mine[3].grad is None and frozen.grad is None
+
+
+def test_fsdp2_gradients_are_left_as_their_backward_reduced_them():
+    """Under FSDP2 every backward reduce-scatters (Lightning blocks only DDP's sync inside a window), so a window
+    whose closing micro-batch every rank skipped holds reduced gradient shards already: reducing them again
+    crashed on the DTensor (the matrix's ``2-one_rank-...-fsdp2`` row) and would have summed different shards.
+    A plain parameter in the same list is still reduced. Two fake ranks: no collective runs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        local = torch.tensor([[1.0, 2.0, 3.0]])
+        sharded = nn.Parameter(DTensor.from_local(torch.zeros(1, 3), mesh, [Shard(0)]))
+        sharded.grad = DTensor.from_local(local.clone(), mesh, [Shard(0)])
+        (plain,) = _params(torch.tensor([2.0, 4.0]))
+
+        def all_reduce(flat: torch.Tensor) -> None:  # rank 1 has the same plain gradient
+            flat.mul_(2)
+
+        reduce_local_gradients([sharded, plain], world_size=2, all_reduce=all_reduce)
+        assert isinstance(sharded.grad, DTensor) and torch.equal(sharded.grad.to_local(), local)
+        torch.testing.assert_close(plain.grad, torch.tensor([2.0, 4.0]))
+    finally:
+        dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """The invariant matrix from the command line: ``python tests/invariants/matrix.py --table invariants.md``.
 
-Runs every row of the all-pairs design (``matrix_options.pairwise``; ``--rows N`` the first N, ``--only
-ROW_ID,...`` named ones) on 2 gloo processes and its 1-process references (``matrix_worker``), checks them
+Runs every row of the all-pairs designs (``matrix_options.full_design``: DDP's, then FSDP2's; ``--strategy
+fsdp2,fsdp2_whole`` FSDP2's alone, ``--rows N`` the first N, ``--only ROW_ID,...`` named ones) on 2 gloo processes and its 1-process references (``matrix_worker``), checks them
 (``matrix_checks``) and prints a Markdown table, one row per combination, one column per invariant; exit status 1
 when any cell fails. ``--accelerator cuda`` runs the rows on a GPU (NCCL for 2 processes; with fewer than 2 GPUs
 only the 1-process columns are meaningful, see ``--world 1``). Run from the repository root.
@@ -22,7 +22,19 @@ sys.path.insert(0, str(HERE))
 
 import matrix_checks  # noqa: E402
 import matrix_worker  # noqa: E402
-from matrix_options import AXES, design, pairwise, row_id  # noqa: E402, F401 (pairwise: gpu_check_matrix.py)
+from matrix_options import (  # noqa: E402, F401 (pairwise, fsdp2_design, expected_refusal: gpu_check_matrix.py)
+    AXES,
+    STRATEGIES,
+    design,
+    expected_refusal,
+    fsdp2_design,
+    full_design,
+    pairwise,
+    row_id,
+    strategy,
+)
+
+TABLE_AXES = [*AXES, "strategy"]
 
 WORKER = HERE / "matrix_worker.py"
 ROW_TIMEOUT_S = (
@@ -44,7 +56,9 @@ def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_proces
         try:
             if world > 1:
                 fixtures.torchrun(WORKER, *args, timeout=timeout)
-            elif in_process:  # saves a second import of torch and Lightning (the default suite's row)
+            elif in_process and all(strategy(r) == "ddp" for r in pending):
+                # saves a second import of torch and Lightning (the default suite's row); FSDP2's 1-rank mesh
+                # would leave a process group in this process
                 matrix_worker.main(out, pending, 1, accelerator)
             else:
                 subprocess.run([sys.executable, str(WORKER), *args], check=True, timeout=timeout,
@@ -80,12 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", type=Path, help="also write the table to this Markdown file")
     parser.add_argument("--rows", type=int, default=None, help="only the first N rows of the design")
     parser.add_argument("--only", default="", help="comma-separated row ids")
+    parser.add_argument(
+        "--strategy", default=",".join(STRATEGIES), help="comma-separated: ddp,fsdp2,fsdp2_whole"
+    )
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--world", type=int, nargs="+", default=[2, 1], help="process counts to run (2 1)")
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--check-only", action="store_true", help="check the runs under --out, run none")
     args = parser.parse_args(argv)
-    rows = design(AXES)
+    rows = full_design(tuple(args.strategy.split(",")))
     if args.only:
         wanted = set(args.only.split(","))
         rows = [r for r in rows if row_id(r) in wanted]
@@ -98,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             results = [matrix_checks.results_for(out, r, row_id(r), windows, 2 in worlds) for r in rows]
         else:
             results = run_matrix(rows, out, args.accelerator, worlds)
-    text = matrix_checks.table(rows, results, list(AXES))
+    text = matrix_checks.table(rows, results, TABLE_AXES)
+    refusals = {d for r in results for s, d in r.values() if s == matrix_checks.REFUSED}
+    text += "".join(f"\n\nrefused: {d}" for d in sorted(refusals))
     minutes = (time.perf_counter() - start) / 60
     print(text)
     print(f"\n{len(rows)} rows in {minutes:.1f} min")

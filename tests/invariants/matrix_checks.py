@@ -11,13 +11,15 @@ import math
 from pathlib import Path
 
 import torch
-from matrix_worker import accumulation_exact, census_module, skipped_micro_batches
+from matrix_options import accumulation_exact, expected_refusal, strategy
+from matrix_worker import census_module, skipped_micro_batches
 
 COLUMNS = (
     "ranks equal", "2 proc = 1 proc", "accumulation = concatenation", "host reads",
-    "finite, moved, steps", "resume = uninterrupted", "fused = foreach",
+    "finite, moved, steps", "resume = uninterrupted", "fused = foreach", "fsdp2 = ddp",
 )  # fmt: skip
 PASS, FAIL, NA = "PASS", "FAIL", "n.a."
+REFUSED = "refused"  # a row FSDP2 must refuse did, on every run, with its one-line error
 
 # Why these tolerances (relative to the training movement, see the module docstring; "measured": the largest
 # ratio of the whole matrix, 2026-11-27):
@@ -118,7 +120,12 @@ def check_row(
 ) -> dict[str, tuple[str, str]]:
     """Every column for one row: ``two`` the 2-process ranks' runs (None: not run, one GPU), ``one`` the
     1-process runs."""
+    expected = expected_refusal(row)
+    if expected is not None:
+        return {c: refused(expected, [*(two or []), one]) for c in COLUMNS}
     for runs in (*(two or []), one):
+        if "refused" in runs:
+            return {c: (FAIL, runs["refused"][:120]) for c in COLUMNS}
         if "error" in runs:
             message = runs["error"]["error"].splitlines()[0][:120]
             return {c: (FAIL, message) for c in COLUMNS}
@@ -151,7 +158,24 @@ def check_row(
         result["fused = foreach"] = compare(one["single"], one["twin"], start, rtol)
     else:
         result["fused = foreach"] = (NA, "foreach row")
+    if strategy(row) == "ddp":
+        result["fsdp2 = ddp"] = (NA, "DDP row")
+    elif row["precision"] == "bf16-mixed":
+        result["fsdp2 = ddp"] = (NA, "bf16 weights (FSDP2) vs float32 weights under autocast (DDP)")
+    else:  # the same process count: per-rank objectives compare too
+        result["fsdp2 = ddp"] = compare(one["single"], one["ddp"], start, rtol)
     return result
+
+
+def refused(expected: str, runs: list[dict]) -> tuple[str, str]:
+    """Every run of a row FSDP2 must refuse ended with ``expected``, on one line."""
+    for run in runs:
+        message = run.get("refused")
+        if message is None:
+            return FAIL, f"not refused ({expected!r} expected)"
+        if expected not in message or "\n" in message.strip():
+            return FAIL, f"refused otherwise: {message[:120]}"
+    return REFUSED, runs[0]["refused"]
 
 
 def host_reads(runs: list[dict], allowance: int, skipped: list[int] = ()) -> tuple[str, str]:
@@ -204,7 +228,7 @@ def table(rows: list[dict[str, str]], results: list[dict[str, tuple[str, str]]],
     head = [*axes, *COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, result in zip(rows, results, strict=True):
-        cells = [row[a] for a in axes]
+        cells = [row[a] if a != "strategy" else strategy(row) for a in axes]
         for column in COLUMNS:
             status, detail = result[column]
             cells.append(status if status != FAIL else f"FAIL ({detail})".replace("|", "/"))

@@ -1,8 +1,9 @@
 """The option axes of the invariant matrix and its all-pairs design.
 
-``AXES`` is the whole option space, one line per axis (a new axis or value is one line, e.g. FSDP2 as a
-``strategy`` axis); ``pairwise(AXES)`` picks the rows, deterministically, so that every pair of values of two
-axes runs together in at least one row. A row is a ``dict`` axis -> value; its ``row_id`` names it.
+``AXES`` is the whole option space of DDP, one line per axis (a new axis or value is one line);
+``pairwise(AXES)`` picks the rows, deterministically, so that every pair of values of two axes runs together in
+at least one row. A row is a ``dict`` axis -> value; its ``row_id`` names it. The ``strategy`` axis (FSDP2) has a
+design of its own (``FSDP2_AXES``): its rows carry a ``strategy`` key, DDP's rows none (so their ids stay).
 """
 
 from __future__ import annotations
@@ -73,13 +74,89 @@ ACCUMULATION_ROWS = [
 
 
 def design(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:
-    """The matrix's rows: the all-pairs design, then ``ACCUMULATION_ROWS`` (those of ``axes``' values)."""
+    """The DDP rows: the all-pairs design, then ``ACCUMULATION_ROWS`` (those of ``axes``' values)."""
     rows = pairwise(axes)
     extra = [r for r in ACCUMULATION_ROWS if r.keys() == axes.keys() and r not in rows]
     return rows + extra
+
+
+STRATEGIES = ("ddp", "fsdp2", "fsdp2_whole")
+# FSDP2 (``--trainer.strategy fsdp2``: sharded checkpoints; ``fsdp2_whole``: one-file checkpoints) over what it
+# runs: 32-true and bf16-mixed (DINOv3's policy), torch's default SGD, no compile. The unreadable positions keep one window-closing
+# case (rank 1 only: the ranks must agree) besides none, start and a window with no step; "end" takes the same
+# path as "one_rank" (every rank skips the closing micro-batch). 28 rows (7 objectives x 4 positions).
+FSDP2_AXES: dict[str, tuple[str, ...]] = {
+    **AXES,
+    "unreadable": ("none", "start", "one_rank", "every_rank"),
+    "precision": ("32-true", "bf16-mixed"),
+    "optimizer": ("foreach",),
+    "compile": ("off",),
+    "strategy": STRATEGIES[1:],
+}
+# What FSDP2 refuses, each a row whose every run must end with this one-line error (matrix_checks.REFUSED):
+# 16-mixed (its GradScaler would decide per shard whether a step overflowed; Lightning's own check sees only a
+# strategy instance, not the registered name), compile (not supported under fsdp2 yet) and fused SGD (torch has
+# no DTensor rule for its kernel; fused AdamW has one, but the matrix trains with SGD).
+_BASE = {"accumulate": "1", "unreadable": "none", "precision": "32-true", "optimizer": "foreach",
+         "norm": "vit_nobn", "objective": "dino", "compile": "off"}  # fmt: skip
+REFUSALS: dict[str, tuple[dict[str, str], str]] = {
+    "16-mixed": ({"precision": "16-mixed"}, "16-mixed is not supported under --trainer.strategy fsdp2"),
+    "compile": ({"compile": "aot_eager"}, "compile is not supported under --trainer.strategy fsdp2"),
+    "fused": (
+        {"optimizer": "fused"},
+        "torch has no fused sgd for sharded (--trainer.strategy fsdp2) parameters",
+    ),
+}
+REFUSED_ROWS = [  # the two FSDP2 strategies in turn
+    {**_BASE, **change, "strategy": STRATEGIES[1 + i % 2]} for i, (change, _) in enumerate(REFUSALS.values())
+]
+
+
+def strategy(row: dict[str, str]) -> str:
+    """The row's strategy (DDP's rows carry none)."""
+    return row.get("strategy", "ddp")
+
+
+def expected_refusal(row: dict[str, str]) -> str | None:
+    """The start of the error ``row`` must end with, or None for a row that trains."""
+    if strategy(row) == "ddp":
+        return None
+    return next(
+        (text for change, text in REFUSALS.values() if all(row[a] == v for a, v in change.items())), None
+    )
+
+
+def fsdp2_design() -> list[dict[str, str]]:
+    """The FSDP2 rows: the all-pairs design of ``FSDP2_AXES``, its accumulation rows (FSDP2's precisions,
+    both checkpoint forms), then ``REFUSED_ROWS``."""
+    rows = pairwise(FSDP2_AXES)
+    precisions = FSDP2_AXES["precision"]
+    extra = [{**r, "strategy": FSDP2_AXES["strategy"][precisions.index(r["precision"])]}
+             for r in ACCUMULATION_ROWS if r["precision"] in precisions]  # fmt: skip
+    return rows + [r for r in extra if r not in rows] + REFUSED_ROWS
+
+
+def full_design(strategies: tuple[str, ...] = STRATEGIES) -> list[dict[str, str]]:
+    """Every row of the matrix whose strategy is in ``strategies``: DDP's design, then FSDP2's."""
+    return [r for r in design(AXES) + fsdp2_design() if strategy(r) in strategies]
 
 
 def covered(rows: list[dict[str, str]], axes: dict[str, tuple[str, ...]] = AXES) -> bool:
     """Whether ``rows`` hold every pair of values of every two axes."""
     found = set().union(*(_pairs(r, axes) for r in rows)) if rows else set()
     return _uncovered(axes) <= found
+
+
+def accumulation_exact(row: dict[str, str]) -> str | None:
+    """None when accumulating ``row``'s micro-batches must equal one step over their concatenation, else why
+    not. Nothing may depend on the batch split: not BatchNorm's batch statistics (XCiT: 4 images vs 4k),
+    KoLeo's neighbours or Sinkhorn-Knopp's equipartition over the batch, not iBOT's mask draws (seeded per
+    micro-batch); and with an unreadable micro-batch the window's gradient is its readable micro-batches'
+    sum / k, which no concatenated batch gives."""
+    if row["accumulate"] == "1":
+        return "k = 1"
+    if row["unreadable"] != "none":
+        return "unreadable"
+    if row["norm"] == "xcit_syncbn":
+        return "BatchNorm statistics"
+    return {"koleo": "KoLeo, Sinkhorn-Knopp", "ibot": "iBOT masks, Sinkhorn-Knopp"}.get(row["objective"])

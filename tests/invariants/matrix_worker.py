@@ -9,8 +9,9 @@ module adds its collapse guard) and Lightning's loops, on the resumable loader t
 The 2-process runs of a row: ``full`` (under the loop census), ``crashed`` (rank 0 asks for a pre-emption in
 the middle of window 1; ``PreemptionCheckpoint`` saves at a closed window and stops) and ``resumed`` (fit
 from that checkpoint to the end). The 1-process runs: ``single`` (the same global batches, in one process),
-``concat`` (accumulation 1 over batches of the concatenated micro-batches) and ``twin`` (the other optimiser
-implementation). Each writes ``OUT/<row>/<run>_rank<r>.pt``: the module's and the optimiser's state, losses,
+``concat`` (accumulation 1 over batches of the concatenated micro-batches), ``twin`` (the other optimiser
+implementation) and, for an FSDP2 row, ``ddp`` (the run under Lightning's default strategy). FSDP2 rows run
+under their ``strategy`` (``matrix_strategy``); a row FSDP2 must refuse saves its one-line refusal instead. Each writes ``OUT/<row>/<run>_rank<r>.pt``: the module's and the optimiser's state, losses,
 steps, census windows.
 """
 
@@ -190,16 +191,6 @@ def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool) -> A
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def precision_args(precision: str, accelerator: str) -> dict[str, Any]:
-    """``16-mixed`` on the CPU needs its GradScaler given: Lightning otherwise runs bf16 with no scaler."""
-    if precision == "16-mixed":
-        from lightning.pytorch.plugins import MixedPrecision
-
-        scaler = torch.amp.GradScaler(accelerator, init_scale=SCALER_INIT)
-        return {"plugins": [MixedPrecision("16-mixed", accelerator, scaler)]}
-    return {"precision": precision}
-
-
 class Record(L.Callback):
     """Per micro-batch: the loss (None when skipped). With ``preempt``, rank 0 alone asks for a pre-emption
     (as its SIGTERM handler would) after window ``PREEMPT_WINDOW``'s first micro-batch."""
@@ -247,9 +238,11 @@ def callbacks(out: Path) -> list[L.Callback]:
 
 def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, *, batch: int = MICRO,
         fused: bool | None = None, preempt: bool = False, ckpt_path: Path | None = None,
-        census: bool = False, data_row: dict | None = None) -> dict[str, Any]:  # fmt: skip
-    """One fit of ``row``; its state, losses and census windows."""
+        census: bool = False, data_row: dict | None = None, strategy: str | None = None,
+        ) -> dict[str, Any]:  # fmt: skip
+    """One fit of ``row`` (under ``strategy``, else the row's); its state, losses and census windows."""
     from lightning.pytorch.loggers import CSVLogger
+    from matrix_strategy import module_state, optimizer_state, precision_args, trainer_strategy
 
     from ssl_xcit.data.datasets import collate_train
     from ssl_xcit.data.resumable import resumable_loader
@@ -262,7 +255,7 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
     rank = int(os.environ.get("RANK", "0"))
     record = Record(preempt)
     trainer = L.Trainer(
-        accelerator=accelerator, devices=world_size, strategy="ddp" if world_size > 1 else "auto",
+        accelerator=accelerator, devices=world_size, strategy=strategy or trainer_strategy(row, world_size),
         max_epochs=1, logger=CSVLogger(out, name="csv"), log_every_n_steps=50, num_sanity_val_steps=0,
         enable_model_summary=False, callbacks=[record, *callbacks(out)], default_root_dir=out,
         **precision_args(row["precision"], accelerator),
@@ -279,13 +272,9 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
             trainer.fit(model, loader, ckpt_path=ckpt_path)
     except Preempted as err:
         stopped = str(err.checkpoint)
-    optimizer = trainer.optimizers[0]
     return {
-        "state": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
-        "optimizer": [
-            {k: v.detach().float().clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
-            for s in (optimizer.state[p] for g in optimizer.param_groups for p in g["params"])
-        ],
+        "state": module_state(model),  # whole tensors: FSDP2's shards gathered
+        "optimizer": optimizer_state(trainer.optimizers[0]),
         "losses": [None if x is None else float(x) for x in record.losses],
         "scaler_skips": scaler_skips(record.scales),
         "global_step": trainer.global_step,
@@ -334,21 +323,6 @@ def _aot_eager() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
-def accumulation_exact(row: dict[str, str]) -> str | None:
-    """None when accumulating ``row``'s micro-batches must equal one step over their concatenation, else why
-    not. Nothing may depend on the batch split: not BatchNorm's batch statistics (XCiT: 4 images vs 4k),
-    KoLeo's neighbours or Sinkhorn-Knopp's equipartition over the batch, not iBOT's mask draws (seeded per
-    micro-batch); and with an unreadable micro-batch the window's gradient is its readable micro-batches'
-    sum / k, which no concatenated batch gives."""
-    if row["accumulate"] == "1":
-        return "k = 1"
-    if row["unreadable"] != "none":
-        return "unreadable"
-    if row["norm"] == "xcit_syncbn":
-        return "BatchNorm statistics"
-    return {"koleo": "KoLeo, Sinkhorn-Knopp", "ibot": "iBOT masks, Sinkhorn-Knopp"}.get(row["objective"])
-
-
 def censused_fit(
     row: dict, folder: Path, name: str, world_size: int, accelerator: str, sources: dict, **kwargs: Any
 ) -> dict[str, dict]:
@@ -375,8 +349,10 @@ def uninterrupted_and_resumed(row: dict, folder: Path, world_size: int, accelera
 
 
 def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> None:
-    """Every run of ``row`` that ``world_size`` makes (see the module docstring), saved under ``out``."""
-    from matrix_options import row_id
+    """Every run of ``row`` that ``world_size`` makes (see the module docstring), saved under ``out``; a row
+    that must be refused (``matrix_options.expected_refusal``) saves the refusal instead."""
+    from matrix_options import accumulation_exact, row_id
+    from matrix_options import strategy as strategy_of
 
     folder = out / row_id(row)
     folder.mkdir(parents=True, exist_ok=True)
@@ -399,9 +375,18 @@ def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> 
                 runs["twin"] = fit(
                     row, folder / "twin", 1, accelerator, sources, batch=MICRO * WORLD, fused=False
                 )
+            if strategy_of(row) != "ddp":  # the same run under Lightning's default strategy
+                runs["ddp"] = fit(row, folder / "ddp", 1, accelerator, sources, batch=MICRO * WORLD,
+                                  strategy="auto")  # fmt: skip
     except Exception as err:  # one broken row is a failed row, never the end of the matrix
         import traceback
 
+        from matrix_strategy import refusal
+
+        refused = refusal(row, err)
+        if refused is not None:  # every rank refuses at the same point, before any collective of the fit
+            torch.save(refused, folder / f"ws{world_size}_rank{rank}.pt")
+            return
         runs["error"] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-4000:]}
         if world_size > 1:  # the other rank may wait in a collective this one left: end both now
             torch.save(runs, folder / f"ws{world_size}_rank{rank}.pt")
