@@ -124,7 +124,13 @@ def test_ddp_rankme_every_rank_logs_the_value_of_all_held_out_images(ddp_runs):
     """RankMe under DDP: each rank embeds a share of the held-out images (one image unreadable, and in the
     second monitor rank 1's only image), the Gram matrices are summed, and both ranks hold the RankMe of all
     readable images, as numpy computes it from the teacher's embeddings, at step 0 and at the end."""
-    from test_rankme import numpy_rankme
+    # By path: tests/ has no packages, and the module is importable by name only when tests/trainer is collected.
+    spec = importlib.util.spec_from_file_location(
+        "rankme_reference", Path(__file__).resolve().parents[1] / "trainer" / "test_rankme.py"
+    )
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    numpy_rankme = reference.numpy_rankme
 
     worker = _load_worker()
     ranks = _ranks(ddp_runs, "rankme")
