@@ -1,0 +1,346 @@
+"""The memory plan of ``ssl-xcit plan``: the peak memory per GPU of one DINO training step, made without a GPU.
+
+:func:`estimate` builds the run's own module (``ssl_xcit.dino.module.DINO`` or a subclass, as ``ssl-xcit fit``
+would) under ``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage: a 7B model costs no
+memory to build) and runs :func:`training_steps` on it: two of the real step's passes over all crops (teacher
+forward, student forward, losses, backward, clipping, AdamW step, EMA update), inside torch's own tracker of
+live storages (``torch.distributed._tools.mem_tracker.MemTracker``). The second step is the steady state: AdamW's
+two float32 states exist from its start. The traced peak is that of the fake CPU device; the same operators
+allocate the same tensors on a GPU, except where a kernel keeps an internal workspace.
+
+``fsdp2`` is traced, not derived: the module is sharded with the run's own ``shard_module`` over a fake
+process group of the run's world size (``torch.testing._internal.distributed.fake_pg``), so the 1/N shards of
+parameters, gradients, AdamW states and teachers, the float32 reductions and each unit's transiently gathered
+parameters are tensors the tracker sees. ``ddp`` on more than one GPU adds one analytic term: DDP's gradient
+buckets, one more copy of the student's gradients (``gradient_as_bucket_view`` is off, torch's default).
+
+What the trace cannot see is added as stated, fixed terms (:data:`CUDA_OVERHEAD_GB`, :data:`FRAGMENTATION`):
+the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, and the caching allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ssl_xcit.dino.step import NUM_GLOBAL_CROPS
+from ssl_xcit.errors import UserError
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+STRATEGIES = ("ddp", "fsdp2")
+DEFAULT_MODEL = "ssl_xcit.dino.module.DINO"
+# Outside the trace: CUDA context (~0.5 GB), cuBLAS/cuDNN workspaces and NCCL's buffers (about 1 GB at 8 GPUs).
+CUDA_OVERHEAD_GB = 2.0
+# The caching allocator's fragmentation and rounding: the traced peak is raised by this fraction.
+FRAGMENTATION = 0.10
+GB = 1e9
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """One run to plan: the model's class and its ``init_args``, the crops of a batch, precision, strategy and
+    world size (GPUs in all)."""
+
+    model_args: dict[str, Any]
+    batch_size: int = 64
+    global_crops_size: int = 224
+    local_crops_number: int = 10
+    local_crops_size: int = 96
+    precision: str = "bf16-mixed"
+    strategy: str = "ddp"
+    world_size: int = 1
+    model_class: str = DEFAULT_MODEL
+
+    def check(self) -> None:
+        """A UserError naming the first bad value and what would be valid."""
+        if self.precision not in PRECISIONS:
+            raise UserError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.strategy not in STRATEGIES:
+            raise UserError(f"strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.strategy == "fsdp2" and self.precision == "16-mixed":
+            raise UserError("16-mixed is refused under fsdp2 (as Lightning does); use bf16-mixed or 32")
+        for name in ("batch_size", "global_crops_size", "world_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.local_crops_number < 0 or (self.local_crops_number and self.local_crops_size < 1):
+            raise UserError(
+                f"local crops: number >= 0 and size >= 1, got {self.local_crops_number} x {self.local_crops_size}"
+            )
+        from ssl_xcit.models import list_models
+
+        backbone = self.model_args.get("backbone", "xcit_small_12_p16")
+        if backbone not in list_models():
+            raise UserError(f"unknown backbone {backbone!r}; `ssl-xcit models` lists the valid names")
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU. ``parameters`` .. ``teachers`` are what one GPU holds between steps (shards under
+    fsdp2); ``traced_peak`` is the trace's peak of live tensors over a steady-state step, ``activations`` the
+    rest of it (activations, gathered units, temporaries); ``peak`` adds DDP's buckets, fragmentation and the
+    CUDA overhead."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    teachers: int
+    traced_peak: int
+    ddp_buckets: int
+    plan: PlanInput = field(repr=False)
+
+    @property
+    def activations(self) -> int:
+        return max(0, self.traced_peak - self.parameters - self.optimizer - self.teachers)
+
+    @property
+    def peak(self) -> int:
+        traced = self.traced_peak + self.ddp_buckets
+        return int(traced * (1 + FRAGMENTATION) + CUDA_OVERHEAD_GB * GB)
+
+    def fits(self, gpu_memory_gb: float) -> bool:
+        return self.peak <= gpu_memory_gb * GB
+
+
+def model_class(path: str) -> type:
+    """The LightningModule class of ``path`` (``module.Class``); DINO and its subclasses only."""
+    from ssl_xcit.dino.module import DINO
+
+    module_name, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, DINO)):
+        raise UserError(f"model class {path!r}: ssl-xcit plan plans {DEFAULT_MODEL} and its subclasses")
+    return cls
+
+
+def make_crops(plan: PlanInput, device: torch.device | str = "cpu") -> tuple[list, list | None]:
+    """A batch's crops as the datamodule gives them (2 global, then the local ones) and, when the model
+    anchors, the Gram teacher's crops."""
+    b, g, loc = plan.batch_size, plan.global_crops_size, plan.local_crops_size
+    crops = [torch.randn(b, 3, g, g, device=device) for _ in range(NUM_GLOBAL_CROPS)]
+    crops += [torch.randn(b, 3, loc, loc, device=device) for _ in range(plan.local_crops_number)]
+    gram = None
+    if plan.model_args.get("gram_loss_weight", 0.0) > 0:
+        side = g * int(plan.model_args.get("gram_resolution_scale", 1))
+        gram = [torch.randn(b, 3, side, side, device=device) for _ in range(NUM_GLOBAL_CROPS)]
+    return crops, gram
+
+
+def _normal_clamped(
+    tensor: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    a: float = -2.0,
+    b: float = 2.0,
+    generator: Any = None,
+) -> torch.Tensor:
+    with torch.no_grad():
+        return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+
+@contextlib.contextmanager
+def _values_free_init() -> Iterator[None]:
+    """torch's ``trunc_normal_`` draws again until no value is out of range, a host read that fake tensors
+    refuse; a clamped normal draw (the same shapes and dtypes) stands in for it while a module is built. On
+    real tensors (the measurement) nothing changes: only the drawn values differ."""
+    if not _fake_mode_active():
+        yield
+        return
+    from unittest import mock
+
+    with mock.patch.object(torch.nn.init, "trunc_normal_", _normal_clamped):
+        yield
+
+
+def _fake_mode_active() -> bool:
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is not None
+
+
+class _TrainerStandIn:
+    """What ``shard_module`` and the step read of a Trainer."""
+
+    def __init__(self, precision: str, world_size: int) -> None:
+        self.precision, self.world_size = precision, world_size
+        self.global_step = self.current_epoch = 0
+
+
+def build(plan: PlanInput, mesh: Any = None) -> tuple[Any, torch.optim.Optimizer]:
+    """The run's module and its optimiser as a fit would set them up (training modes, the Gram teacher held,
+    sharded over ``mesh`` under fsdp2), on the current device context."""
+    from ssl_xcit.dino.schedules import dino_schedules
+    from ssl_xcit.trainer.fsdp import shard_module
+
+    cls = model_class(plan.model_class)
+    with _values_free_init():
+        model = cls(**plan.model_args)
+    if mesh is not None:
+        model._trainer = _TrainerStandIn(plan.precision, plan.world_size)
+        try:
+            shard_module(model, mesh, plan.precision)
+        finally:
+            model._trainer = None
+    model._set_training_modes()
+    # Any run long enough for the warm-ups: the values of the schedules change no tensor's size.
+    epochs = 1 + math.ceil(max([v for k, v in model.hparams.items() if k.endswith("_epochs") and v] + [0]))
+    model.schedules = dino_schedules(model.hparams, epochs, 100, plan.batch_size, plan.world_size)
+    gram = getattr(model, "gram_teacher", None)
+    if gram is not None:  # held from the start: the term's weight counts from the first traced step
+        gram.initialised = True
+        model.gram_weight_now = gram.weight
+    model.hparams.freeze_last_layer = 0  # a step after the freeze: every trained parameter has its states
+    optimizer = model.configure_optimizers()
+    for (
+        group
+    ) in optimizer.param_groups:  # torch's default for CUDA tensors (a CPU one takes the per-tensor loop)
+        if not group.get("fused"):
+            group["foreach"] = True
+    return model, optimizer
+
+
+def init_optimizer_states(model: Any, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's states as after any step (a step on zero gradients; the states' values do not matter)."""
+    for p in model.student.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def training_steps(model: Any, optimizer: torch.optim.Optimizer, plan: PlanInput, steps: int = 2) -> None:
+    """``steps`` of DINO's training step on fresh batches (``DINO.training_step`` and ``window_step`` without a
+    Trainer): forwards and losses under the precision's autocast, backward, centres, clipping and last-layer
+    freeze, optimiser step, gradients freed, EMA."""
+    device = next(model.parameters()).device
+    dtype = _AUTOCAST.get(plan.precision)
+    for step in range(steps):
+        crops, gram = make_crops(plan, device)
+        masks = model.draw_masks(crops[0], [0, 0, step, 0]) if model.ibot else None
+        autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        with autocast:
+            out = model.compute_losses(crops, masks, epoch=0, update_center=True, gram_crops=gram)
+        out.total.backward()
+        del out, crops, gram, masks
+        for targets in model._teacher_targets():
+            targets.apply_center()
+        model.on_before_optimizer_step(optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model._update_teacher(0.996)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[Any]:
+    """A 1-D ``data_parallel`` CPU mesh over a fake process group of ``world_size`` ranks (collectives return
+    at once), or None for one rank; the group is destroyed on exit."""
+    if world_size == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("ssl-xcit plan traces fsdp2 in a process with no process group of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
+    from ssl_xcit.trainer.fsdp import local_tensors
+
+    return sum(t.numel() * t.element_size() for t in local_tensors(tensors))
+
+
+def _states(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the student (parameters, float32 gradients), of AdamW's states and of the other networks."""
+    student = [p for p in model.student.parameters()]
+    trained = [p for p in student if p.requires_grad]
+    others = [p for n, p in model.named_parameters() if not n.startswith("student.")]
+    opt_states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return dict(
+        parameters=_nbytes(iter(student)),
+        gradients=_nbytes(iter(trained)),
+        optimizer=_nbytes(iter(opt_states)),
+        teachers=_nbytes(iter(others)),
+    )
+
+
+def _peak_tracker() -> Any:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakTracker(MemTracker):
+        """torch's ``MemTracker`` (every live storage by its bytes, storage resizes, DTensor's local tensors)
+        without its per-module statistics, whose hooks refuse frozen parameters (the teachers) and a module
+        called at the top level more than once a step; its peak is the same."""
+
+        def _pre_fw_hook(self, *args: Any) -> None: ...
+
+        def _post_fw_hook(self, *args: Any) -> None: ...
+
+        def _pre_bw_hook(self, *args: Any) -> None: ...
+
+        def _post_bw_hook(self, *args: Any) -> None: ...
+
+    return PeakTracker()
+
+
+def estimate(plan: PlanInput, activation_checkpointing: bool | None = None) -> MemoryPlan:
+    """The memory plan of ``plan`` (``activation_checkpointing`` overrides the model's setting when given)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if activation_checkpointing is not None:
+        plan = replace(
+            plan, model_args={**plan.model_args, "activation_checkpointing": activation_checkpointing}
+        )
+    plan.check()
+    sharded = plan.strategy == "fsdp2" and plan.world_size > 1
+    with (
+        fake_process_group(plan.world_size if sharded else 1) as mesh,
+        FakeTensorMode(),
+        torch.random.fork_rng(),
+    ):
+        model, optimizer = build(plan, mesh)
+        tracker = _peak_tracker()
+        init_optimizer_states(model, optimizer)  # the steady state: a step after the first
+        tracker.track_external(model, optimizer)
+        with tracker:
+            training_steps(model, optimizer, plan, steps=1)
+        traced = max(tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"])["Total"]
+        states = _states(model, optimizer)
+    buckets = states["gradients"] if plan.strategy == "ddp" and plan.world_size > 1 else 0
+    return MemoryPlan(traced_peak=traced, ddp_buckets=buckets, plan=plan, **states)
+
+
+def max_batch(plan: PlanInput, gpu_memory_gb: float, limit: int = 4096) -> tuple[int, MemoryPlan | None]:
+    """The largest batch per GPU whose plan fits ``gpu_memory_gb`` (binary search over estimates; up to
+    ``limit``), with its plan; (0, None) when not even batch 1 fits."""
+    lo, best = 0, None
+    hi = 1
+    while hi <= limit:  # doubling to the first batch that does not fit
+        trial = estimate(replace(plan, batch_size=hi))
+        if not trial.fits(gpu_memory_gb):
+            break
+        lo, best, hi = hi, trial, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        trial = estimate(replace(plan, batch_size=mid))
+        if trial.fits(gpu_memory_gb):
+            lo, best = mid, trial
+        else:
+            hi = mid
+    return lo, best
