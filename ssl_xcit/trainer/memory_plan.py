@@ -51,7 +51,7 @@ class PlanInput:
     model_args: dict[str, Any]
     batch_size: int = 64
     global_crops_size: int = 224
-    local_crops_number: int = 10
+    local_crops_number: int = 8
     local_crops_size: int = 96
     precision: str = "bf16-mixed"
     strategy: str = "ddp"
@@ -147,24 +147,19 @@ def _normal_clamped(
         return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
 
 
-@contextlib.contextmanager
-def _values_free_init() -> Iterator[None]:
-    """torch's ``trunc_normal_`` draws again until no value is out of range, a host read that fake tensors
-    refuse; a clamped normal draw (the same shapes and dtypes) stands in for it while a module is built. On
-    real tensors (the measurement) nothing changes: only the drawn values differ."""
-    if not _fake_mode_active():
-        yield
-        return
+def _construct(cls: type, args: dict[str, Any], fake_mode: Any) -> Any:
+    """``cls(**args)`` with real tensors, or, under ``fake_mode``, built on the meta device (model code may
+    read a host value while it builds: timm's drop-path rates, torch's ``trunc_normal_``) and then given fake
+    CPU storages (as ``to_empty``); the values of a fake module do not matter, only its tensors' sizes."""
+    if fake_mode is None:
+        return cls(**args)
     from unittest import mock
 
-    with mock.patch.object(torch.nn.init, "trunc_normal_", _normal_clamped):
-        yield
-
-
-def _fake_mode_active() -> bool:
-    from torch._guards import active_fake_mode
-
-    return active_fake_mode() is not None
+    # torch's trunc_normal_ redraws until no value is out of range, reading the meta tensor on the host.
+    with torch.device("meta"), mock.patch.object(torch.nn.init, "trunc_normal_", _normal_clamped):
+        model = cls(**args)
+    with fake_mode:  # to_empty's empty_like would hand the meta tensor itself to the fake mode
+        return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
 
 
 class _TrainerStandIn:
@@ -175,15 +170,19 @@ class _TrainerStandIn:
         self.global_step = self.current_epoch = 0
 
 
-def build(plan: PlanInput, mesh: Any = None) -> tuple[Any, torch.optim.Optimizer]:
+def build(plan: PlanInput, mesh: Any = None, fake_mode: Any = None) -> tuple[Any, torch.optim.Optimizer]:
     """The run's module and its optimiser as a fit would set them up (training modes, the Gram teacher held,
-    sharded over ``mesh`` under fsdp2), on the current device context."""
+    sharded over ``mesh`` under fsdp2), with real CPU tensors or the fake ones of ``fake_mode`` (entered by the
+    caller for everything after the build)."""
+    model = _construct(model_class(plan.model_class), plan.model_args, fake_mode)
+    with contextlib.nullcontext() if fake_mode is None else fake_mode:
+        return _set_up(model, plan, mesh)
+
+
+def _set_up(model: Any, plan: PlanInput, mesh: Any) -> tuple[Any, torch.optim.Optimizer]:
     from ssl_xcit.dino.schedules import dino_schedules
     from ssl_xcit.trainer.fsdp import shard_module
 
-    cls = model_class(plan.model_class)
-    with _values_free_init():
-        model = cls(**plan.model_args)
     if mesh is not None:
         model._trainer = _TrainerStandIn(plan.precision, plan.world_size)
         try:
@@ -308,39 +307,47 @@ def estimate(plan: PlanInput, activation_checkpointing: bool | None = None) -> M
         )
     plan.check()
     sharded = plan.strategy == "fsdp2" and plan.world_size > 1
-    with (
-        fake_process_group(plan.world_size if sharded else 1) as mesh,
-        FakeTensorMode(),
-        torch.random.fork_rng(),
-    ):
-        model, optimizer = build(plan, mesh)
-        tracker = _peak_tracker()
-        init_optimizer_states(model, optimizer)  # the steady state: a step after the first
-        tracker.track_external(model, optimizer)
-        with tracker:
-            training_steps(model, optimizer, plan, steps=1)
-        traced = max(tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"])["Total"]
-        states = _states(model, optimizer)
+    fake_mode = FakeTensorMode()
+    with fake_process_group(plan.world_size if sharded else 1) as mesh, torch.random.fork_rng():
+        model, optimizer = build(plan, mesh, fake_mode)
+        with fake_mode:
+            init_optimizer_states(model, optimizer)  # the steady state: a step after the first
+            tracker = _peak_tracker()
+            tracker.track_external(model, optimizer)
+            with tracker:
+                training_steps(model, optimizer, plan, steps=1)
+            peaks = tracker.get_tracker_snapshot("peak").values()
+            traced = max(snap["Total"] for snap in peaks)
+            states = _states(model, optimizer)
     buckets = states["gradients"] if plan.strategy == "ddp" and plan.world_size > 1 else 0
     return MemoryPlan(traced_peak=traced, ddp_buckets=buckets, plan=plan, **states)
 
 
 def max_batch(plan: PlanInput, gpu_memory_gb: float, limit: int = 4096) -> tuple[int, MemoryPlan | None]:
-    """The largest batch per GPU whose plan fits ``gpu_memory_gb`` (binary search over estimates; up to
-    ``limit``), with its plan; (0, None) when not even batch 1 fits."""
-    lo, best = 0, None
-    hi = 1
-    while hi <= limit:  # doubling to the first batch that does not fit
-        trial = estimate(replace(plan, batch_size=hi))
-        if not trial.fits(gpu_memory_gb):
-            break
-        lo, best, hi = hi, trial, hi * 2
-    hi = min(hi, limit + 1)
+    """The largest batch per GPU (up to ``limit``) whose plan fits ``gpu_memory_gb``, with its plan; (0, None)
+    when not even batch 1 fits. A search over traced estimates: the peak grows with the batch almost on a line,
+    so each probe is where the line through the last two traced batches reaches the budget, kept strictly
+    inside the bracket (largest fitting, smallest not fitting), and the bracket's midpoint when the line points
+    at a batch already traced. Every answer is a traced batch that fits next to a traced one that does not
+    (or ``limit``)."""
+    budget = gpu_memory_gb * GB
+    traced: dict[int, MemoryPlan] = {}
+
+    def at(batch: int) -> MemoryPlan:
+        if batch not in traced:
+            traced[batch] = estimate(replace(plan, batch_size=batch))
+        return traced[batch]
+
+    if not at(1).fits(gpu_memory_gb):
+        return 0, None
+    lo, hi, last, probe = 1, limit + 1, 1, min(8, limit + 1)
     while hi - lo > 1:
-        mid = (lo + hi) // 2
-        trial = estimate(replace(plan, batch_size=mid))
-        if trial.fits(gpu_memory_gb):
-            lo, best = mid, trial
-        else:
-            hi = mid
-    return lo, best
+        fits = at(probe).fits(gpu_memory_gb)
+        lo, hi = (probe, hi) if fits else (lo, probe)
+        slope = (at(probe).peak - at(last).peak) / (probe - last) if probe != last else 0.0
+        last, nxt = probe, (lo + hi) // 2
+        if slope > 0:
+            nxt = probe + math.floor((budget - at(probe).peak) / slope)
+        nxt = min(max(nxt, lo + 1), hi - 1)
+        probe = nxt if nxt not in traced else (lo + hi) // 2
+    return lo, traced[lo]
