@@ -160,26 +160,27 @@ def describe(plan: Any, result: Any, gpu_memory: float) -> str:
 
 def table(plan: Any, names: list[str], gpu_memory: float) -> list[dict[str, Any]]:
     """For each backbone in ``names``: the largest batch per GPU that fits, under DDP and FSDP2, without and
-    with activation checkpointing (the rest of ``plan`` as given); prints a Markdown table row by row."""
-    from ssl_xcit.trainer.memory_plan import max_batch
+    with activation checkpointing (the rest of ``plan`` as given), from traces of shallow copies
+    (``ssl_xcit.trainer.memory_table``); prints a Markdown table row by row."""
+    from ssl_xcit.models import create_model
+    from ssl_xcit.trainer.memory_table import depth_model
 
     head = ["backbone", "parameters"] + [f"{s.upper()}{' + AC' if ac else ''}" for s, ac in TABLE_COLUMNS]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head), flush=True)
     rows = []
     for name in names:
         base = replace(plan, model_args={**plan.model_args, "backbone": name})
-        row: dict[str, Any] = {"backbone": name}
+        kwargs = dict(base.model_args.get("backbone_kwargs") or {})
+        params = sum(p.numel() for p in create_model(name, device="meta", **kwargs).parameters())
+        row: dict[str, Any] = {"backbone": name, "parameters": params}
         for strategy, ac in TABLE_COLUMNS:
-            cell = replace(base, strategy=strategy, model_args={**base.model_args, "activation_checkpointing": ac})
+            cell = replace(
+                base, strategy=strategy, model_args={**base.model_args, "activation_checkpointing": ac}
+            )
             cell.check()
-            batch, result = max_batch(cell, gpu_memory)
-            row[f"{strategy}{'_ac' if ac else ''}"] = batch
-            row.setdefault("parameters", None)
-            if result is not None:
-                row["parameters"] = result.parameters // 4 * (cell.world_size if strategy == "fsdp2" else 1)
+            row[f"{strategy}{'_ac' if ac else ''}"] = depth_model(cell).max_batch(gpu_memory)
         cells = [str(row[f"{s}{'_ac' if ac else ''}"] or "none") for s, ac in TABLE_COLUMNS]
-        params = f"{row['parameters'] / 1e6:.0f} M" if row["parameters"] else "-"
-        print(f"| `{name}` | {params} | " + " | ".join(cells) + " |", flush=True)
+        print(f"| `{name}` | {params / 1e6:.0f} M | " + " | ".join(cells) + " |", flush=True)
         rows.append(row)
     return rows
 
@@ -195,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | list[dict[str, A
     )
     parser.add_argument("-c", "--config", help="a recipe, as ssl-xcit fit -c reads it")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GB (10^9 bytes) per GPU (default 80)")
-    parser.add_argument("--max-batch", action="store_true", help="also find the largest batch per GPU that fits")
+    parser.add_argument(
+        "--max-batch", action="store_true", help="also find the largest batch per GPU that fits"
+    )
     parser.add_argument("--table", help="comma-separated backbones: the largest batch of each, 4 settings")
     args, rest = parser.parse_known_args(None if argv is None else list(argv))
     if not args.gpu_memory > 0:

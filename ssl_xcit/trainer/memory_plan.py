@@ -83,17 +83,23 @@ class PlanInput:
 @dataclass
 class MemoryPlan:
     """Bytes per GPU. ``parameters`` .. ``teachers`` are what one GPU holds between steps (shards under
-    fsdp2); ``traced_peak`` is the trace's peak of live tensors over a steady-state step, ``activations`` the
-    rest of it (activations, gathered units, temporaries); ``peak`` adds DDP's buckets, fragmentation and the
-    CUDA overhead."""
+    fsdp2); ``step_peak`` and ``update_peak`` are the trace's peaks of live tensors over a steady-state step's
+    forwards and backward, and over its update (clipping, optimiser step, EMA); ``traced_peak`` is the larger,
+    ``activations`` the rest of it (activations, gathered units, temporaries); ``peak`` adds DDP's buckets,
+    fragmentation and the CUDA overhead."""
 
     parameters: int
     gradients: int
     optimizer: int
     teachers: int
-    traced_peak: int
+    step_peak: int
+    update_peak: int
     ddp_buckets: int
     plan: PlanInput = field(repr=False)
+
+    @property
+    def traced_peak(self) -> int:
+        return max(self.step_peak, self.update_peak)
 
     @property
     def activations(self) -> int:
@@ -220,22 +226,30 @@ def training_steps(model: Any, optimizer: torch.optim.Optimizer, plan: PlanInput
     """``steps`` of DINO's training step on fresh batches (``DINO.training_step`` and ``window_step`` without a
     Trainer): forwards and losses under the precision's autocast, backward, centres, clipping and last-layer
     freeze, optimiser step, gradients freed, EMA."""
+    for step in range(steps):
+        forward_backward(model, plan, step)
+        update(model, optimizer)
+
+
+def forward_backward(model: Any, plan: PlanInput, step: int = 0) -> None:
+    """A fresh batch, the forwards and losses under the precision's autocast, and the backward."""
     device = next(model.parameters()).device
     dtype = _AUTOCAST.get(plan.precision)
-    for step in range(steps):
-        crops, gram = make_crops(plan, device)
-        masks = model.draw_masks(crops[0], [0, 0, step, 0]) if model.ibot else None
-        autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-        with autocast:
-            out = model.compute_losses(crops, masks, epoch=0, update_center=True, gram_crops=gram)
-        out.total.backward()
-        del out, crops, gram, masks
-        for targets in model._teacher_targets():
-            targets.apply_center()
-        model.on_before_optimizer_step(optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        model._update_teacher(0.996)
+    crops, gram = make_crops(plan, device)
+    masks = model.draw_masks(crops[0], [0, 0, step, 0]) if model.ibot else None
+    with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+        out = model.compute_losses(crops, masks, epoch=0, update_center=True, gram_crops=gram)
+    out.total.backward()
+
+
+def update(model: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The window's end: centres, clipping and last-layer freeze, optimiser step, gradients freed, EMA."""
+    for targets in model._teacher_targets():
+        targets.apply_center()
+    model.on_before_optimizer_step(optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model._update_teacher(0.996)
 
 
 @contextlib.contextmanager
@@ -315,12 +329,16 @@ def estimate(plan: PlanInput, activation_checkpointing: bool | None = None) -> M
             tracker = _peak_tracker()
             tracker.track_external(model, optimizer)
             with tracker:
-                training_steps(model, optimizer, plan, steps=1)
-            peaks = tracker.get_tracker_snapshot("peak").values()
-            traced = max(snap["Total"] for snap in peaks)
+                forward_backward(model, plan)
+                step_peak = max(tracker._peak_mem.values())
+                # The update's own peak, from what is live after the backward on (MemTracker keeps the
+                # running peak in this dict; no public reset exists).
+                tracker._peak_mem = {d: s["Total"] for d, s in tracker.get_tracker_snapshot().items()}
+                update(model, optimizer)
+                update_peak = max(tracker._peak_mem.values())
             states = _states(model, optimizer)
     buckets = states["gradients"] if plan.strategy == "ddp" and plan.world_size > 1 else 0
-    return MemoryPlan(traced_peak=traced, ddp_buckets=buckets, plan=plan, **states)
+    return MemoryPlan(step_peak=step_peak, update_peak=update_peak, ddp_buckets=buckets, plan=plan, **states)
 
 
 def max_batch(plan: PlanInput, gpu_memory_gb: float, limit: int = 4096) -> tuple[int, MemoryPlan | None]:
