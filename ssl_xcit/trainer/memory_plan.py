@@ -125,6 +125,10 @@ def model_class(path: str) -> type:
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, DINO)):
         raise UserError(f"model class {path!r}: ssl-xcit plan plans {DEFAULT_MODEL} and its subclasses")
+    from ssl_xcit.dino.distill import Distill
+
+    if issubclass(cls, Distill):  # it reads its teacher's weights from a file while it is built
+        raise UserError(f"model class {path!r}: distillation runs are not planned yet; plan {DEFAULT_MODEL}")
     return cls
 
 
