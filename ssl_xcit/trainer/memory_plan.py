@@ -1,12 +1,15 @@
 """The memory plan of ``ssl-xcit plan``: the peak memory per GPU of one DINO training step, made without a GPU.
 
 :func:`estimate` builds the run's own module (``ssl_xcit.dino.module.DINO`` or a subclass, as ``ssl-xcit fit``
-would) under ``FakeTensorMode`` (tensors with shapes, dtypes and devices but no storage: a 7B model costs no
-memory to build) and runs :func:`training_steps` on it: two of the real step's passes over all crops (teacher
-forward, student forward, losses, backward, clipping, AdamW step, EMA update), inside torch's own tracker of
-live storages (``torch.distributed._tools.mem_tracker.MemTracker``). The second step is the steady state: AdamW's
-two float32 states exist from its start. The traced peak is that of the fake CPU device; the same operators
-allocate the same tensors on a GPU, except where a kernel keeps an internal workspace.
+would) on the meta device, gives it fake CPU storages (``FakeTensorMode``: shapes, dtypes and devices but no
+memory, so a 7B model costs nothing to hold), makes AdamW's two float32 states with a step on zero gradients,
+and then traces one steady-state training step (:func:`forward_backward` and :func:`update`: teacher and
+student forwards over all crops under the precision's autocast, losses, backward, centres, clipping, AdamW
+step, EMA update) inside torch's own tracker of live storages
+(``torch.distributed._tools.mem_tracker.MemTracker``), recording the peak of each phase. The traced peak is
+that of the fake CPU device; the same operators allocate the same tensors on a GPU, except where a kernel
+keeps an internal workspace. A real-tensor run of the same functions is what ``benchmarks/bench_memory_plan.py``
+measures the estimate against.
 
 ``fsdp2`` is traced, not derived: the module is sharded with the run's own ``shard_module`` over a fake
 process group of the run's world size (``torch.testing._internal.distributed.fake_pg``), so the 1/N shards of
@@ -209,9 +212,8 @@ def _set_up(model: Any, plan: PlanInput, mesh: Any) -> tuple[Any, torch.optim.Op
         model.gram_weight_now = gram.weight
     model.hparams.freeze_last_layer = 0  # a step after the freeze: every trained parameter has its states
     optimizer = model.configure_optimizers()
-    for (
-        group
-    ) in optimizer.param_groups:  # torch's default for CUDA tensors (a CPU one takes the per-tensor loop)
+    # foreach: torch's default for CUDA tensors (on CPU it takes the per-tensor loop, with smaller temporaries)
+    for group in optimizer.param_groups:
         if not group.get("fused"):
             group["foreach"] = True
     return model, optimizer

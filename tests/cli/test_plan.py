@@ -57,14 +57,20 @@ def test_the_printed_plan_is_the_estimate(capsys):
     [
         (["--model.backbone", "vit_gigantic"], "unknown backbone 'vit_gigantic'; `ssl-xcit models` lists"),
         (["--data.batch_size", "0"], "batch_size must be an integer >= 1, got 0"),
-        (["--trainer.precision", "bf16"], "precision 'bf16' cannot be planned; valid: 32, 32-true, bf16-mixed"),
+        (
+            ["--trainer.precision", "bf16"],
+            "precision 'bf16' cannot be planned; valid: 32, 32-true, bf16-mixed",
+        ),
         (["--trainer.strategy", "deepspeed"], "strategy 'deepspeed' cannot be planned; valid: auto, ddp"),
         (["--trainer.devices", "auto"], "--trainer.devices must be an integer >= 1 for a plan, got 'auto'"),
         (["--model.head_dim", "3"], "ssl_xcit.dino.module.DINO has no argument 'head_dim'"),
         (["--batch", "3"], "unknown option '--batch'; ssl-xcit plan takes -c RECIPE, --model.KEY"),
         (["-c", "recipes/nope.yaml"], "recipe 'recipes/nope.yaml' does not exist"),
         (["--gpu-memory", "0"], "--gpu-memory must be > 0 GB, got 0.0"),
-        (["--model.class_path", "ssl_xcit.evaluation.linear.probe.LinearProbe"], "plans ssl_xcit.dino.module.DINO"),
+        (
+            ["--model.class_path", "ssl_xcit.evaluation.linear.probe.LinearProbe"],
+            "plans ssl_xcit.dino.module.DINO",
+        ),
         (["--model.class_path", "ssl_xcit.dino.distill.Distill"], "distillation runs are not planned yet"),
     ],
 )

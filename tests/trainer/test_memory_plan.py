@@ -21,7 +21,9 @@ TINY = dict(backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 1}, out_dim=25
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_memory_plan", REPO / "benchmarks" / "bench_memory_plan.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_memory_plan", REPO / "benchmarks" / "bench_memory_plan.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -74,7 +76,9 @@ def test_activation_checkpointing_and_sharding_shrink_the_right_terms():
 @pytest.mark.slow
 def test_max_batch_is_the_largest_fitting_batch():
     plan = _tiny()
-    budget = (estimate(replace(plan, batch_size=37)).peak + estimate(replace(plan, batch_size=38)).peak) / 2 / GB
+    budget = (
+        (estimate(replace(plan, batch_size=37)).peak + estimate(replace(plan, batch_size=38)).peak) / 2 / GB
+    )
     batch, result = max_batch(plan, budget)
     assert batch == 37 and result.fits(budget) and result.plan.batch_size == 37
     assert max_batch(plan, 1e-3) == (0, None)
@@ -89,3 +93,20 @@ def test_bad_plans_name_the_value_and_what_is_valid():
         estimate(_tiny(batch_size=0))
     with pytest.raises(UserError, match=r"16-mixed is refused under fsdp2"):
         estimate(_tiny(precision="16-mixed", strategy="fsdp2", world_size=2))
+
+
+@pytest.mark.slow
+def test_the_docs_benchmark_command_runs():
+    """docs' ``python benchmarks/bench_memory_plan.py`` span, shrunk to one configuration (later flags win)."""
+    import re
+    import shlex
+
+    spans = [
+        shlex.split(" ".join(span.split()))
+        for page in sorted((REPO / "docs").glob("*.md"))
+        for span in re.findall(r"`python\s+benchmarks/bench_memory_plan\.py\s*([^`]*)`", page.read_text())
+    ]
+    assert spans, "docs name the benchmark's command"
+    for argv in spans:
+        rows = _bench().main([*argv, "--configs", "ddp-32", "--batch-size", "4"])
+        assert [r["config"] for r in rows] == ["ddp-32"] and abs(rows[0]["ratio"] - 1) <= TOLERANCE

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from ssl_xcit.trainer.memory_plan import GB, PlanInput, estimate
-from ssl_xcit.trainer.memory_table import BATCHES, DEPTHS, TERMS, Bilinear, DepthModel, depth_model, model_depth
+from ssl_xcit.trainer.memory_table import (
+    BATCHES,
+    DEPTHS,
+    TERMS,
+    Bilinear,
+    DepthModel,
+    depth_model,
+    model_depth,
+)
 
 
 def test_bilinear_through_four_points_is_the_function():
