@@ -3,6 +3,7 @@ estimator's, and every bad input ended in one or two lines naming it and what is
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,29 @@ def test_bad_inputs_end_in_one_or_two_lines(capsys, argv, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert 1 <= len(err) <= 2 and message in err[0], err
+
+
+@pytest.mark.slow
+def test_the_docs_table_command_runs(capsys):
+    """docs' ``ssl-xcit plan --table`` command, shrunk to one tiny model (later flags win): a Markdown row of
+    four largest batches, each the one DepthModel.max_batch gives."""
+    import re
+    import shlex
+
+    from ssl_xcit.trainer.memory_table import depth_model
+
+    commands = [
+        shlex.split(line)
+        for page in sorted((REPO / "docs").glob("*.md"))
+        for line in page.read_text().splitlines()
+        if line.startswith("ssl-xcit plan --table ")
+    ]
+    assert commands, "docs name the table's command"
+    tiny = ["--table=xcit_nano_12_p8", "--gpu-memory=2.1", *TINY[2:]]
+    for argv in commands:
+        rows = cli_main([*argv[1:], *tiny])
+        assert [r["backbone"] for r in rows] == ["xcit_nano_12_p8"]
+        assert re.search(r"^\| `xcit_nano_12_p8` \| 0 M \|( \d+ \|){4}$", capsys.readouterr().out, re.M)
+    plan = _plan(*argv[1:], *TINY[2:])
+    plan = replace(plan, model_args={**plan.model_args, "backbone": "xcit_nano_12_p8"}, strategy="fsdp2")
+    assert rows[0]["fsdp2"] == depth_model(plan).max_batch(2.1) > rows[0]["ddp"] > 0
