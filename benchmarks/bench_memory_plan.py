@@ -41,6 +41,7 @@ CONFIGS = {
     "ddp-32-ac": ("32", "ddp", True, SMALL),
     "ddp-bf16": ("bf16-mixed", "ddp", False, SMALL),
     "ddp-bf16-ac": ("bf16-mixed", "ddp", True, SMALL),
+    "ddp-bf16-ac-vit": ("bf16-mixed", "ddp", True, SMALL_VIT),
     "fsdp2-32": ("32", "fsdp2", False, SMALL),
     "fsdp2-bf16-ac": ("bf16-mixed", "fsdp2", True, SMALL_VIT),
 }

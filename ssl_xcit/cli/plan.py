@@ -160,9 +160,11 @@ def describe(plan: Any, result: Any, gpu_memory: float) -> str:
 
 def table(plan: Any, names: list[str], gpu_memory: float) -> list[dict[str, Any]]:
     """For each backbone in ``names``: the largest batch per GPU that fits, under DDP and FSDP2, without and
-    with activation checkpointing (the rest of ``plan`` as given), from traces of shallow copies
-    (``ssl_xcit.trainer.memory_table``); prints a Markdown table row by row."""
+    with activation checkpointing (the rest of ``plan`` as given): a guess from traces of shallow copies
+    (``ssl_xcit.trainer.memory_table``), settled by full-depth traces (``memory_plan.max_batch``); prints a
+    Markdown table row by row."""
     from ssl_xcit.models import create_model
+    from ssl_xcit.trainer.memory_plan import max_batch
     from ssl_xcit.trainer.memory_table import depth_model
 
     head = ["backbone", "parameters"] + [f"{s.upper()}{' + AC' if ac else ''}" for s, ac in TABLE_COLUMNS]
@@ -178,7 +180,10 @@ def table(plan: Any, names: list[str], gpu_memory: float) -> list[dict[str, Any]
                 base, strategy=strategy, model_args={**base.model_args, "activation_checkpointing": ac}
             )
             cell.check()
-            row[f"{strategy}{'_ac' if ac else ''}"] = depth_model(cell).max_batch(gpu_memory)
+            # The shallow copies' extrapolation is a first guess only: under activation checkpointing the
+            # step's peak moves between phases as blocks are added, so every answer is traced at full depth.
+            guess = depth_model(cell).max_batch(gpu_memory)
+            row[f"{strategy}{'_ac' if ac else ''}"] = max_batch(cell, gpu_memory, first=max(1, guess))[0]
         cells = [str(row[f"{s}{'_ac' if ac else ''}"] or "none") for s, ac in TABLE_COLUMNS]
         print(f"| `{name}` | {params / 1e6:.0f} M | " + " | ".join(cells) + " |", flush=True)
         rows.append(row)

@@ -347,13 +347,15 @@ def estimate(plan: PlanInput, activation_checkpointing: bool | None = None) -> M
     return MemoryPlan(step_peak=step_peak, update_peak=update_peak, ddp_buckets=buckets, plan=plan, **states)
 
 
-def max_batch(plan: PlanInput, gpu_memory_gb: float, limit: int = 4096) -> tuple[int, MemoryPlan | None]:
+def max_batch(
+    plan: PlanInput, gpu_memory_gb: float, limit: int = 4096, first: int = 8
+) -> tuple[int, MemoryPlan | None]:
     """The largest batch per GPU (up to ``limit``) whose plan fits ``gpu_memory_gb``, with its plan; (0, None)
-    when not even batch 1 fits. A search over traced estimates: the peak grows with the batch almost on a line,
-    so each probe is where the line through the last two traced batches reaches the budget, kept strictly
-    inside the bracket (largest fitting, smallest not fitting), and the bracket's midpoint when the line points
-    at a batch already traced. Every answer is a traced batch that fits next to a traced one that does not
-    (or ``limit``)."""
+    when not even batch 1 fits. A search over traced estimates from batch ``first`` (a guess): its neighbour,
+    then, as the peak grows with the batch almost on a line, where the line through the last two traced
+    batches reaches the budget, kept strictly inside the bracket (largest fitting, smallest not fitting), or
+    the bracket's midpoint when the line points at a batch already traced. The answer is a traced batch that
+    fits next to a traced one that does not (or ``limit``)."""
     budget = gpu_memory_gb * GB
     traced: dict[int, MemoryPlan] = {}
 
@@ -362,16 +364,15 @@ def max_batch(plan: PlanInput, gpu_memory_gb: float, limit: int = 4096) -> tuple
             traced[batch] = estimate(replace(plan, batch_size=batch))
         return traced[batch]
 
-    if not at(1).fits(gpu_memory_gb):
-        return 0, None
-    lo, hi, last, probe = 1, limit + 1, 1, min(8, limit + 1)
+    lo, hi, last, probe = 0, limit + 1, None, max(1, min(first, limit))
     while hi - lo > 1:
         fits = at(probe).fits(gpu_memory_gb)
         lo, hi = (probe, hi) if fits else (lo, probe)
-        slope = (at(probe).peak - at(last).peak) / (probe - last) if probe != last else 0.0
-        last, nxt = probe, (lo + hi) // 2
-        if slope > 0:
-            nxt = probe + math.floor((budget - at(probe).peak) / slope)
-        nxt = min(max(nxt, lo + 1), hi - 1)
+        if last is None:
+            nxt = probe + 1 if fits else probe - 1
+        else:
+            slope = (at(probe).peak - at(last).peak) / (probe - last)
+            nxt = probe + math.floor((budget - at(probe).peak) / slope) if slope > 0 else (lo + hi) // 2
+        last, nxt = probe, min(max(nxt, lo + 1), hi - 1)
         probe = nxt if nxt not in traced else (lo + hi) // 2
-    return lo, traced[lo]
+    return lo, traced.get(lo)
