@@ -1,4 +1,4 @@
-"""Plans of full-depth models from traces of shallow copies: what ``ssl-xcit plan --table`` prints.
+"""Plans of full-depth models from traces of shallow copies: ``ssl-xcit plan --table``'s first guess.
 
 A trace costs time in proportion to the operators it runs (a ViT-7B step: minutes on a shared 2-core CPU),
 and the table needs the largest fitting batch of 8 models in 4 settings. Every term of a DINO step's memory
@@ -7,7 +7,10 @@ states and teachers grow with the depth ``d``; activations grow with ``d`` x bat
 and losses with ``b``); FSDP2's gathered unit is one block whatever ``d``. So each term, and the peak of each
 phase of the step (forwards and backward; update), is ``c0 + cb b + cd d + cbd b d``: four traces, at depths
 :data:`DEPTHS` and batches :data:`BATCHES`, fix it, and the plan at the model's own depth and any batch follows
-by arithmetic. ``tests/trainer/test_memory_table.py`` checks it against full traces.
+by arithmetic. That holds while the same moment of the step holds the peak at every depth: without activation
+checkpointing it lands within a few per cent of full traces (docs/scaling.md); with it, the peak moves between
+phases as blocks are added and the fit is far off (ViT-L/16: 3x too few bytes per image), so ``--table``
+settles every answer with full-depth traces (``memory_plan.max_batch``, started from this guess).
 """
 
 from __future__ import annotations
