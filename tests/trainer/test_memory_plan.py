@@ -60,6 +60,7 @@ def test_fsdp2_on_two_gloo_processes_within_tolerance(name):
     _close(_bench().plan_for(name, world_size=2), FSDP2_BF16_TOLERANCE if "bf16" in name else TOLERANCE)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_and_sharding_shrink_the_right_terms():
     plain = estimate(_tiny(batch_size=8))
     ac = estimate(_tiny(batch_size=8), activation_checkpointing=True)
