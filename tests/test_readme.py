@@ -42,6 +42,8 @@ _DINO = ["--model.init_args.out_dim=64", "--model.init_args.head_hidden_dim=32",
          "--data.init_args.num_workers=0", "--data.init_args.persistent_workers=false",
          "--data.init_args.local_crops_number=2", "--data.init_args.global_crops_size=32",
          "--data.init_args.local_crops_size=16", "--data.init_args.eval_resize=32", "--data.init_args.eval_crop=32"]  # fmt: skip
+_PLAN = ["--model.out_dim=64", "--model.head_hidden_dim=32", "--model.head_bottleneck_dim=16", "--data.batch_size=4",
+         "--data.local_crops_number=2", "--data.global_crops_size=32", "--data.local_crops_size=16", "--gpu-memory=2.1"]  # fmt: skip
 # One block: the recipes' structure is what is tested, and the quickstart's 4 blocks made its ONNX and pt2 exports
 # below the slowest commands of the pages (~50 s of ~160 s on 2 shared cores); the exports are checked per family
 # in tests/cli/test_export_formats.py.
@@ -93,6 +95,9 @@ SHRINK: list[tuple[str, list[str] | str]] = [
                                                    "--data.crop_size=32", "--data.resize_size=32"]),
     (r"^ssl-xcit retrieval ", _RETRIEVAL),
     (r"^ssl-xcit visualize ", []),  # the pages' own small settings (shipped images, small backbones)
+    # one or two blocks, tiny heads and crops; 2.1 GB leaves ~90 MB beside the fixed 2 GB, so --max-batch ends fast
+    (r"^ssl-xcit plan --table ", "tests/cli/test_plan.py runs it, shrunk (16 traces: marked slow)"),
+    (r"^ssl-xcit plan ", ["--model.backbone_kwargs={depth: 1}", *_PLAN]),
     (r"^ssl-xcit models$", ["--family", "vit"]),  # all ~45 variants' FLOP counts take ~40 s; the quickest family
 ]  # fmt: skip
 

@@ -11,6 +11,7 @@
     ssl-xcit retrieval --weights W --dataset roxford5k --data-root D --method vlad
     ssl-xcit prepare DIR OUT                           # the images as LitData shards, read by every command
     ssl-xcit models                                    # list the registered backbones
+    ssl-xcit plan -c recipes/dino_vit_s16.yaml --max-batch  # peak memory per GPU, estimated without a GPU
 
 Each command lives in its own module and is imported only when used, so ``ssl-xcit models`` does not pay for
 importing Lightning.
@@ -35,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "retrieval": ("ssl_xcit.cli.retrieval", "main"),
     "prepare": ("ssl_xcit.cli.prepare", "main"),
     "models": ("ssl_xcit.cli.models", "main"),
+    "plan": ("ssl_xcit.cli.plan", "main"),
     "visualize": ("ssl_xcit.cli.visualize", "main"),
 }
 # Lightning's `test` and `predict` are not offered: no recipe's module has a test or predict step, so they could

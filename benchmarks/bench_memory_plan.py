@@ -1,0 +1,175 @@
+"""``ssl-xcit plan``'s estimate against the peak measured on this CPU, side by side.
+
+    python benchmarks/bench_memory_plan.py                  # the default small configurations
+    python benchmarks/bench_memory_plan.py --configs ddp-32,ddp-bf16-ac --batch-size 16
+
+For each configuration the estimate (``ssl_xcit.trainer.memory_plan.estimate``: fake tensors, torch's
+``MemTracker``) is made in this process, and the peak is measured in a fresh process that runs the same step
+on real CPU tensors. The measurement is the CPU allocator's own record, a different mechanism from the
+estimate's: ``torch.profiler`` with ``profile_memory=True`` logs every allocation and free of the c10 CPU
+allocator with its bytes; the peak is the largest running sum over the process's work from before the model
+is built (weights, teachers, AdamW's states, the batch, every activation and temporary), through the AdamW
+states' first step and one measured step. ``fsdp2`` is measured on ``--world-size`` gloo processes (rank 0's
+peak). Prints each configuration's traced estimate, its measured peak and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(
+    backbone="xcit_nano_12_p8",
+    backbone_kwargs={"depth": 2},
+    out_dim=1024,
+    head_hidden_dim=256,
+    head_bottleneck_dim=64,
+)
+# ViT-S/16 cut to 2 blocks: FSDP2's bf16 parameters meet XCiT's float32 BatchNorm statistics, which CPU's
+# batch_norm refuses (a fit of XCiT under fsdp2 + bf16-mixed on CPU fails the same way).
+SMALL_VIT = dict(SMALL, backbone="vit_small_patch16_224")
+# name -> (precision, strategy, activation checkpointing, model)
+CONFIGS = {
+    "ddp-32": ("32", "ddp", False, SMALL),
+    "ddp-32-ac": ("32", "ddp", True, SMALL),
+    "ddp-bf16": ("bf16-mixed", "ddp", False, SMALL),
+    "ddp-bf16-ac": ("bf16-mixed", "ddp", True, SMALL),
+    "ddp-bf16-ac-vit": ("bf16-mixed", "ddp", True, SMALL_VIT),
+    "fsdp2-32": ("32", "fsdp2", False, SMALL),
+    "fsdp2-bf16-ac": ("bf16-mixed", "fsdp2", True, SMALL_VIT),
+}
+
+
+def plan_for(name: str, batch_size: int = 8, world_size: int = 2, model_args: dict | None = None) -> Any:
+    """The PlanInput of configuration ``name`` (:data:`CONFIGS`) on the small model."""
+    from ssl_xcit.trainer.memory_plan import PlanInput
+
+    precision, strategy, ac, model = CONFIGS[name]
+    args = {**(model_args or model), "activation_checkpointing": ac}
+    return PlanInput(
+        args,
+        batch_size=batch_size,
+        global_crops_size=64,
+        local_crops_number=4,
+        local_crops_size=32,
+        precision=precision,
+        strategy=strategy,
+        world_size=world_size if strategy == "fsdp2" else 1,
+    )
+
+
+def allocator_peak(events: Any) -> int:
+    """The largest running sum of the CPU allocator's allocations (+bytes) and frees (-bytes), in time order."""
+    memory = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type().name == "CPU"
+    )
+    live = peak = 0
+    for _, nbytes in memory:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def measure_here(plan_json: str) -> int:
+    """The measured peak of one steady-state step of ``plan_json`` (a PlanInput as JSON) in this process (one
+    rank of ``fsdp2``: the process group must be up)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ssl_xcit.trainer.memory_plan import PlanInput, build, init_optimizer_states, training_steps
+
+    plan = PlanInput(**json.loads(plan_json))
+    torch.manual_seed(0)
+    mesh = None
+    if plan.strategy == "fsdp2" and plan.world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (plan.world_size,), mesh_dim_names=("data_parallel",))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, optimizer = build(plan, mesh)
+        init_optimizer_states(model, optimizer)
+        training_steps(model, optimizer, plan, steps=1)
+    return allocator_peak(prof.profiler.kineto_results.events())
+
+
+def _worker(rank: int, plan_json: str, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = json.loads(plan_json)["world_size"]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        peak = measure_here(plan_json)
+        if rank == 0:
+            Path(out).write_text(str(peak))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(plan: Any, timeout: float = 600) -> int:
+    """The measured peak of ``plan`` in a fresh process (``world_size`` gloo processes under fsdp2)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", json.dumps(asdict(plan))]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"measurement failed:\n{done.stderr[-3000:]}")
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def _measure_main(plan_json: str) -> None:
+    import tempfile
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    world = json.loads(plan_json)["world_size"]
+    if json.loads(plan_json)["strategy"] != "fsdp2" or world == 1:
+        print(measure_here(plan_json))
+        return
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "peak")
+        mp.spawn(_worker, args=(plan_json, port, out), nprocs=world, join=True)
+        print(Path(out).read_text())
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--world-size", type=int, default=2, help="gloo processes of the fsdp2 configurations")
+    p.add_argument("--measure", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.measure:
+        _measure_main(args.measure)
+        return []
+    import warnings
+
+    from ssl_xcit.trainer.memory_plan import estimate
+
+    warnings.filterwarnings("ignore")
+    rows = []
+    print(f"{'config':16s} {'estimate MB':>12s} {'measured MB':>12s} {'ratio':>7s}")
+    for name in args.configs.split(","):
+        plan = plan_for(name, args.batch_size, args.world_size)
+        est = estimate(plan).traced_peak
+        meas = measure(plan)
+        rows.append(dict(config=name, estimate=est, measured=meas, ratio=est / meas))
+        print(f"{name:16s} {est / 1e6:12.2f} {meas / 1e6:12.2f} {est / meas:7.3f}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""``ssl_xcit.trainer.memory_plan``: the traced estimate against the peak the CPU allocator records for the same
+step on real tensors in a fresh process (``benchmarks/bench_memory_plan.py``: torch.profiler's memory events, a
+different mechanism from the estimate's MemTracker), within :data:`TOLERANCE`."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ssl_xcit.errors import UserError
+from ssl_xcit.trainer.memory_plan import GB, PlanInput, estimate, max_batch
+
+REPO = Path(__file__).resolve().parents[2]
+# The estimate's traced peak is within 10 % of the measured one (measured ratios 0.94-1.00: docs/scaling.md),
+# except FSDP2 in bf16-mixed on gloo, 16 % under (FSDP2_BF16_TOLERANCE; not explained yet).
+TOLERANCE = 0.10
+FSDP2_BF16_TOLERANCE = 0.20
+TINY = dict(backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 1}, out_dim=256, head_hidden_dim=64,
+            head_bottleneck_dim=32)  # fmt: skip
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_memory_plan", REPO / "benchmarks" / "bench_memory_plan.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tiny(**kw) -> PlanInput:
+    base = dict(batch_size=4, global_crops_size=32, local_crops_number=2, local_crops_size=16, precision="32")
+    return PlanInput(dict(TINY), **{**base, **kw})
+
+
+def _close(plan: PlanInput, tolerance: float = TOLERANCE) -> tuple[int, int]:
+    estimated, measured = estimate(plan).traced_peak, _bench().measure(plan)
+    assert abs(estimated / measured - 1) <= tolerance, (estimated, measured)
+    return estimated, measured
+
+
+def test_estimate_is_within_tolerance_of_the_measured_cpu_peak():
+    estimated, measured = _close(_tiny())
+    assert measured > 1e6  # a real step was measured, not an empty process
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp-32-ac", "ddp-bf16", "ddp-bf16-ac", "ddp-bf16-ac-vit"])
+def test_small_configurations_within_tolerance(name):
+    _close(_bench().plan_for(name))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["fsdp2-32", "fsdp2-bf16-ac"])
+def test_fsdp2_on_two_gloo_processes_within_tolerance(name):
+    _close(_bench().plan_for(name, world_size=2), FSDP2_BF16_TOLERANCE if "bf16" in name else TOLERANCE)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_sharding_shrink_the_right_terms():
+    plain = estimate(_tiny(batch_size=8))
+    ac = estimate(_tiny(batch_size=8), activation_checkpointing=True)
+    sharded = estimate(_tiny(batch_size=8, strategy="fsdp2", world_size=4))
+    assert ac.parameters == plain.parameters and ac.optimizer == plain.optimizer
+    assert ac.activations < 0.8 * plain.activations
+    # AdamW: two float32 states per trained parameter; the EMA teacher is a copy of the student.
+    assert plain.optimizer == pytest.approx(2 * plain.gradients, rel=1e-3)
+    assert plain.teachers == pytest.approx(plain.parameters, rel=0.01)
+    # FSDP2 holds a quarter of every state (plus dim-0 padding of the shards) on 4 ranks
+    for key in ("parameters", "gradients", "optimizer", "teachers"):
+        assert getattr(plain, key) / 4 <= getattr(sharded, key) <= getattr(plain, key) / 4 * 1.1, key
+    assert plain.ddp_buckets == 0 and estimate(_tiny(world_size=2)).ddp_buckets == plain.gradients
+
+
+@pytest.mark.slow
+def test_max_batch_is_the_largest_fitting_batch():
+    plan = _tiny()
+    budget = (
+        (estimate(replace(plan, batch_size=37)).peak + estimate(replace(plan, batch_size=38)).peak) / 2 / GB
+    )
+    batch, result = max_batch(plan, budget)
+    assert batch == 37 and result.fits(budget) and result.plan.batch_size == 37
+    assert max_batch(plan, 1e-3) == (0, None)
+
+
+def test_bad_plans_name_the_value_and_what_is_valid():
+    with pytest.raises(UserError, match=r"precision 'fp8'.*32, bf16-mixed, 16-mixed"):
+        estimate(_tiny(precision="fp8"))
+    with pytest.raises(UserError, match=r"strategy 'zero3'.*ddp, fsdp2"):
+        estimate(_tiny(strategy="zero3"))
+    with pytest.raises(UserError, match=r"batch_size must be an integer >= 1, got 0"):
+        estimate(_tiny(batch_size=0))
+    with pytest.raises(UserError, match=r"16-mixed is refused under fsdp2"):
+        estimate(_tiny(precision="16-mixed", strategy="fsdp2", world_size=2))
+
+
+@pytest.mark.slow
+def test_the_docs_benchmark_command_runs():
+    """docs' ``python benchmarks/bench_memory_plan.py`` span, shrunk to one configuration (later flags win)."""
+    import re
+    import shlex
+
+    spans = [
+        shlex.split(" ".join(span.split()))
+        for page in sorted((REPO / "docs").glob("*.md"))
+        for span in re.findall(r"`python\s+benchmarks/bench_memory_plan\.py\s*([^`]*)`", page.read_text())
+    ]
+    assert spans, "docs name the benchmark's command"
+    for argv in spans:
+        rows = _bench().main([*argv, "--configs", "ddp-32", "--batch-size", "4"])
+        assert [r["config"] for r in rows] == ["ddp-32"] and abs(rows[0]["ratio"] - 1) <= TOLERANCE
