@@ -109,7 +109,7 @@ def rankme_of(backbone: torch.nn.Module, dataset: Any) -> dict[str, float]:
 
 
 def evaluate(args: argparse.Namespace, backbone: torch.nn.Module, path: Path) -> dict[str, Any]:
-    size = {"eval_resize": args.eval_size, "eval_crop": args.eval_size}
+    size = {"eval_resize": args.eval_size, "eval_crop": args.eval_size, "batch_size": 1}  # no training here
     flowers = DINODataModule(**learning.data_kwargs(args.flowers), **size)  # learning.py's 80/20 split
     camvid_root = Path(args.camvid)
     camvid = DINODataModule(

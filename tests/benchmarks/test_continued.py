@@ -67,7 +67,9 @@ def test_an_evaluated_row_is_rankme_and_knn_of_the_backbone(tmp_path):
         "--flowers", str(flowers), "--camvid", str(camvid), "--probe", "--rows", str(tmp_path / "rows.jsonl"),
         *TINY_EVAL,
     ])  # fmt: skip
-    held = DINODataModule(str(flowers), val_fraction=0.2, split_seed=0, eval_resize=32, eval_crop=32)
+    held = DINODataModule(
+        str(flowers), val_fraction=0.2, split_seed=0, eval_resize=32, eval_crop=32, batch_size=1
+    )
     images = torch.stack([held.heldout_dataset()[i][0] for i in range(4)])
     backbone = build_backbone(save).eval()
     with torch.no_grad():
