@@ -28,6 +28,7 @@ def _rates_are_measured(result: dict) -> None:
         assert math.isfinite(result[key]) and result[key] > 0, key
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_ci_run_times_the_module_step_with_its_fused_optimizer(bench, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lightly", None)  # as on a machine without the `bench` extra
     result = bench.main(["--ci", "--augment-on", "device", "--peak-tflops", "1", "--fused"])
@@ -51,6 +52,7 @@ def test_ci_run_times_the_module_step_with_its_fused_optimizer(bench, capsys, mo
     assert result["peer"] is None and "(c) peer (lightly DINO): skipped: lightly is not installed" in out
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_without_a_known_peak_mfu_is_not_guessed_and_ibot_adds_flops(bench, capsys):
     plain = bench.main(["--ci", "--no-peer"])
     result = bench.main(["--ci", "--ibot"])

@@ -166,6 +166,7 @@ def _run_script(path: Path, virtual_env: Path | None = None) -> subprocess.Compl
     )
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_without_PYTHON_it_runs_python3_where_only_python3_exists(tmp_path):
     path = _bin(tmp_path / "bin", {"python3": sys.executable})
     proc = _run_script(path)

@@ -79,6 +79,7 @@ def _slurm(root: Path, out: Path, *args: str, job: str = "4242") -> None:
         assert proc.returncode == 0, err[-3000:]
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 @pytest.mark.distributed
 def test_slurm_tasks_join_one_run_folder_and_a_requeue_gets_a_new_one(tmp_path):
     root, out = tmp_path / "runs", tmp_path / "out"
@@ -93,6 +94,7 @@ def test_slurm_tasks_join_one_run_folder_and_a_requeue_gets_a_new_one(tmp_path):
     assert _versions(root) == ["version_0", "version_1"]
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 @pytest.mark.distributed
 def test_slurm_ckpt_path_last_agrees_on_resume_and_on_the_error(tmp_path):
     root, out = tmp_path / "runs", tmp_path / "out"
