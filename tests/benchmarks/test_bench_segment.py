@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
-import shlex
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import doc_commands
+from bench_scripts import load_script as _load
 
 REPO = Path(__file__).resolve().parents[2]
 CAMVID = REPO.parent / "shared" / "data" / "camvid"
@@ -36,22 +36,6 @@ def test_weights_row_of_the_random_init_backbone_equals_the_baseline_row(tmp_pat
     assert saved["miou"] == pytest.approx(baseline["miou"], abs=1e-9)
     assert saved["per_class_iou"] == pytest.approx(baseline["per_class_iou"], abs=1e-9)
     assert [json.loads(line)["name"] for line in out.read_text().splitlines()] == list(by_name)
-
-
-def doc_commands(script: str) -> list[list[str]]:
-    """Every ``python benchmarks/<script>`` code span of docs/*.md (spans may wrap across lines), as argv."""
-    found = []
-    for page in sorted((REPO / "docs").glob("*.md")):
-        for span in re.findall(rf"`python\s+benchmarks/{re.escape(script)}\s+([^`]*)`", page.read_text()):
-            found.append(shlex.split(" ".join(span.split())))
-    return found
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow

@@ -4,15 +4,14 @@ vote's, the probe scores CamVid-shaped masks, and every documented row command r
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
-import shlex
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from bench_scripts import doc_commands, numpy_rankme
+from bench_scripts import load_script as _load
 from PIL import Image
 
 from ssl_xcit.data.datamodule import DINODataModule
@@ -21,19 +20,6 @@ from ssl_xcit.models import build_backbone
 REPO = Path(__file__).resolve().parents[2]
 TINY_EVAL = ["--eval-size", "32", "--probe-short-side", "32", "--probe-crop", "32", "--probe-stride", "16",
              "--probe-iters", "1", "--probe-batch", "2", "--threads", "1"]  # fmt: skip
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def numpy_rankme(x: np.ndarray, eps: float = 1e-7) -> float:
-    sigma = np.linalg.svd(x, compute_uv=False)
-    p = sigma / sigma.sum() + eps
-    return float(np.exp(-(p * np.log(p)).sum()))
 
 
 def _sets(root: Path) -> tuple[Path, Path]:
@@ -80,15 +66,6 @@ def test_an_evaluated_row_is_rankme_and_knn_of_the_backbone(tmp_path):
     assert row["knn_flowers5"] in (0.0, 25.0, 50.0, 75.0, 100.0)  # 4 held-out queries
     assert 0 <= row["miou_camvid"] <= 100 and row["training"] is None
     assert json.loads((tmp_path / "rows.jsonl").read_text())["rankme_camvid"] == row["rankme_camvid"]
-
-
-def doc_commands(script: str) -> list[list[str]]:
-    """Every ``python benchmarks/<script>`` code span of docs/*.md (spans may wrap across lines), as argv."""
-    found = []
-    for page in sorted((REPO / "docs").glob("*.md")):
-        for span in re.findall(rf"`python\s+benchmarks/{re.escape(script)}\s+([^`]*)`", page.read_text()):
-            found.append(shlex.split(" ".join(span.split())))
-    return found
 
 
 @pytest.mark.slow

@@ -4,30 +4,18 @@ step 0 is the run's own starting teacher, and the PNG is drawn."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from bench_scripts import load_script as _load
+from bench_scripts import numpy_rankme
 
 from ssl_xcit.data.datamodule import DINODataModule
 from ssl_xcit.models import build_backbone
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def numpy_rankme(x: np.ndarray, eps: float = 1e-7) -> float:
-    sigma = np.linalg.svd(x, compute_uv=False)
-    p = sigma / sigma.sum() + eps
-    return float(np.exp(-(p * np.log(p)).sum()))
 
 
 @pytest.mark.slow
