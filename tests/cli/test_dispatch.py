@@ -13,6 +13,7 @@ def test_unknown_command_lists_the_valid_ones():
         main(["trian"])
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_models_lists_a_family_with_params_and_gmacs(capsys):
     rows = main(["models", "--family", "vit"])
     assert [r["name"] for r in rows][:3] == [

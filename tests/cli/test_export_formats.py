@@ -71,6 +71,7 @@ def _pt2_run(path):
     return lambda x: module(x).detach()
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 @pytest.mark.parametrize("name,kwargs", DYNAMIC)
 def test_onnx_matches_pytorch_at_two_batches_and_resolutions(tmp_path, name, kwargs):
     model = _model(name, kwargs)

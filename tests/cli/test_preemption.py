@@ -115,6 +115,7 @@ def _assert_exact(indices: list[int], weights: dict, reference: dict) -> None:
         assert torch.equal(weights[key], value), key
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_sigterm_mid_epoch_saves_a_complete_checkpoint_and_the_resume_is_exact(tmp_path, reference):
     make_images(tmp_path / "images")
     log = tmp_path / "log.jsonl"

@@ -122,6 +122,7 @@ def test_prepare_errors_are_one_line(tmp_path: Path, capsys) -> None:
     assert "has no ssl_xcit_shards.json: an interrupted" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_linear_probe_on_shards_equals_the_folder(flowers_small, tmp_path: Path) -> None:
     train, val = flowers_small
     for name, root in (("train", train), ("val", val)):

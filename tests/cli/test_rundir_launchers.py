@@ -127,6 +127,7 @@ def _manual(port: int, *ranks: int) -> list[dict[str, str]]:
     return [{**common, "RANK": str(r), "NODE_RANK": str(r)} for r in ranks]
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 @pytest.mark.distributed
 def test_manually_launched_processes_join_one_run_folder_also_when_relaunched(tmp_path):
     root, out = tmp_path / "runs", tmp_path / "out"

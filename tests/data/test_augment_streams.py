@@ -29,6 +29,7 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 @pytest.mark.distributed
 def test_ranks_draw_different_augmentations_after_a_resume_and_what_the_full_run_drew(tmp_path):
     torchrun = _load("dino_conftest", HERE.parent / "dino" / "conftest.py").torchrun

@@ -136,6 +136,7 @@ def test_a_fixed_gram_teacher_is_the_sources_teacher_backbone(write, tmp_path):
     )
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_a_fixed_gram_teacher_from_timm_weights_in_a_local_file(tmp_path):
     import timm
     from safetensors.torch import save_file

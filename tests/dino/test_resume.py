@@ -134,6 +134,7 @@ def test_dino_checkpoints_adds_the_step_checkpoint_of_the_recipes(tmp_path):
         dino_checkpoints(tmp_path, every_n_train_steps=0)
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 @pytest.mark.distributed
 def test_two_processes_resume_mid_epoch_exactly(tmp_path):
     """2 gloo processes, 4 images each per step (8 steps an epoch); the checkpoint after step 9 is in epoch 1.

@@ -93,6 +93,7 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
     assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_num_yielded"] == 4
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 @pytest.mark.distributed
 def test_a_signal_to_one_rank_before_training_stops_both_at_train_start(tmp_path):
     """2 gloo processes; only rank 1 is signalled, during sanity validation (before ``on_train_start``).
