@@ -6,11 +6,14 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "learning.py"
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_learning_benchmark_reports_dino_random_init_and_pixels(tmp_path):
     spec = importlib.util.spec_from_file_location("learning_benchmark", SCRIPT)
     bench = importlib.util.module_from_spec(spec)

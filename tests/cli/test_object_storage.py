@@ -25,6 +25,7 @@ FEATURES = ["--arch", "xcit_nano_12_p16", "--resize-size", "32", "--crop-size", 
             "--num-workers", "0", "--no-progress"]  # fmt: skip
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_prepare_fit_knn_embed_on_s3(s3_env, s3_server, image_folder, tmp_path, monkeypatch):
     train_url, val_url = f"{s3_env}/train", f"{s3_env}/val"
     # storage_options alone name the endpoint: nothing in the environment does

@@ -43,6 +43,7 @@ def test_a_recipe_and_its_overrides_are_read_as_fit_reads_them():
         {}, 64, 8, "bf16-mixed", 1)  # fmt: skip
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_the_printed_plan_is_the_estimate(capsys):
     out = cli_main(["plan", *TINY, "--gpu-memory", "80"])
     printed = capsys.readouterr().out

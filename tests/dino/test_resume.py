@@ -167,6 +167,7 @@ def test_shards_resume_mid_epoch_exactly(tmp_path):
     _assert_same_weights(result)
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_shards_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch(tmp_path, workers):
     """Lightning does not restore the loader from an epoch-end checkpoint: the resumed epoch 1 must still be
@@ -179,6 +180,7 @@ def test_shards_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch(tmp_pat
         _assert_same_weights(result)
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_shards_resume_with_workers_and_device_crops_sees_every_record_once(tmp_path):
     result = _single(tmp_path, epochs=2, every=9, crash=20, workers=2, shards=1, augment="device")
     _check_crash_point(result, 18)
