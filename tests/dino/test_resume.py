@@ -94,6 +94,7 @@ def test_resume_with_device_augmentation_is_exact(tmp_path):
     _assert_same_weights(result)
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch(tmp_path):
     """Step 16 is epoch 0's last batch: the epoch-end checkpoint overwrites the step one; epoch 1 whole."""
     result = _single(tmp_path, epochs=2, every=4, crash=17)
@@ -102,6 +103,7 @@ def test_checkpoint_on_an_epochs_last_step_resumes_the_next_epoch(tmp_path):
     _assert_same_weights(result)
 
 
+@pytest.mark.slow  # moved out of the default suite (its 10-minute budget)
 def test_resume_with_workers_sees_every_image_once(tmp_path):
     """With 2 workers the read-ahead batches are not counted as seen. (The workers' random streams restart,
     so the crops, and the weights, differ from the uninterrupted run's.)"""
