@@ -171,14 +171,25 @@ def s3_env(s3_server, monkeypatch, tmp_path, request):
     yield f"s3://bucket/{request.node.name.replace('[', '-').rstrip(']')}"
 
 
+@pytest.fixture(scope="session")
+def small_flowers(shared_data, tmp_path_factory):
+    """``small_flowers(classes)``: the first ``classes`` flowers5 classes x (3 train + 1 val) photos as
+    symlinked ImageFolder trees, (train, val)."""
+
+    def build(classes: int = 5) -> tuple[Path, Path]:
+        root = tmp_path_factory.mktemp(f"flowers{4 * classes}")
+        for cls_dir in sorted((shared_data / "flowers5").iterdir())[:classes]:
+            photos = sorted(cls_dir.glob("*.jpg"))[:4]
+            for split, chosen in (("train", photos[:3]), ("val", photos[3:])):
+                (root / split / cls_dir.name).mkdir(parents=True)
+                for p in chosen:
+                    (root / split / cls_dir.name / p.name).symlink_to(p)
+        return root / "train", root / "val"
+
+    return build
+
+
 @pytest.fixture(scope="module")
-def twenty_flowers(shared_data, tmp_path_factory):
-    """5 classes x (3 train + 1 val) flowers5 photos as symlinked ImageFolder trees."""
-    root = tmp_path_factory.mktemp("flowers20")
-    for cls_dir in sorted((shared_data / "flowers5").iterdir()):
-        photos = sorted(cls_dir.glob("*.jpg"))[:4]
-        for split, chosen in (("train", photos[:3]), ("val", photos[3:])):
-            (root / split / cls_dir.name).mkdir(parents=True)
-            for p in chosen:
-                (root / split / cls_dir.name / p.name).symlink_to(p)
-    return root / "train", root / "val"
+def twenty_flowers(small_flowers):
+    """5 classes x (3 train + 1 val) flowers5 photos."""
+    return small_flowers(5)

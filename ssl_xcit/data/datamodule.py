@@ -36,7 +36,7 @@ from ssl_xcit.data.loaders import build_loader, check_full_batches
 from ssl_xcit.data.shards import is_shard_root, is_url
 from ssl_xcit.data.stages import check_high_res, in_high_res_stage, stage_crops
 from ssl_xcit.data.storage import storage_options as parse_storage_options
-from ssl_xcit.data.streaming import dataset_view, open_shards
+from ssl_xcit.data.streaming import ShardTrainSet, dataset_view, open_shards
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
 from ssl_xcit.data.transforms import MultiCropTransform, eval_transform
 from ssl_xcit.errors import UserError
@@ -217,7 +217,9 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
         )
         self.device_augment: PhotometricAugment | None = self.photometric if where == "device" else None
         if self.train_dataset is not None:  # a loader built from now on crops with it
-            self.train_dataset.transform = self.train_transform
+            # LitData's StreamingDataset applies its own `transform` to the raw record: ours is `item_transform`
+            name = "item_transform" if isinstance(self.train_dataset, ShardTrainSet) else "transform"
+            setattr(self.train_dataset, name, self.train_transform)
 
     def _use_stage(self, name: str) -> None:
         """Crop with stage ``name``'s crops (``base`` or ``high_res``) from the next loader on."""
@@ -278,10 +280,6 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
             if val_root is None and hp.val_fraction == 0:
                 val_root = str(synthetic / "val")
         elif is_shard_root(hp.root):
-            if self.high_res is not None:
-                raise UserError(
-                    f"high_res_epochs works on image folders and list files, not the prepared {hp.root}"
-                )
             return self._setup_shards()
         else:
             train_root = Path(hp.root).expanduser()

@@ -16,7 +16,7 @@ from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
 from ssl_xcit.trainer.checkpointing import last_checkpoint
 from ssl_xcit.trainer.fsdp import is_fsdp2, shard_module
-from ssl_xcit.trainer.step_checks import diverged
+from ssl_xcit.trainer.step_checks import diverged, loss_scale_collapsed
 from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
 from ssl_xcit.utils.rng import capture_rng_states, gather_rng_states, own_rng_states, restore_rng_states
 
@@ -137,18 +137,27 @@ class DINOLifecycle(LightningModule):
         )
 
     def _read_finite(self) -> None:
-        """The host's read of the finite-loss record (every rank at once): stop with the first bad step."""
+        """The host's read of the finite-loss record (every rank at once): stop with the first bad step, or
+        when 16-mixed's GradScaler has skipped steps until its scale collapsed."""
         self._steps_since_read = 0
         if self._trainer is None or not self._finite.pending:
             return
         found = self._finite.read(self.trainer.strategy.all_gather)
         if self._finite.last_loss is not None:
             self.progress_values["train/loss"] = self._finite.last_loss
-        if found is None:
-            return
-        raise diverged(
-            found, self.current_epoch, self.hparams.sync_every_n_steps, last_checkpoint(self.trainer)
-        )
+        if found is not None:
+            raise diverged(
+                found, self.current_epoch, self.hparams.sync_every_n_steps, last_checkpoint(self.trainer)
+            )
+        if scaler_in_use(self.trainer):  # every rank reads its own scale; they decide on the smallest
+            scale = torch.tensor(self.trainer.precision_plugin.scaler.get_scale(), device=self.device)
+            smallest = float(self.trainer.strategy.all_gather(scale).min())
+            error = loss_scale_collapsed(
+                smallest, self.global_step, self._finite.last_loss, self.current_epoch,
+                last_checkpoint(self.trainer),
+            )  # fmt: skip
+            if error is not None:
+                raise error
 
     @property
     def trained_epoch(self) -> int:

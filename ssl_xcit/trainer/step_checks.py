@@ -3,6 +3,8 @@
 - :class:`FiniteWatch`: a non-finite loss is recorded on the device (a flag, the first bad step, its value)
   and read on the host once every ``sync_every_n_steps`` steps, before any checkpoint is written, and at
   each epoch's end. Reading ``bool(torch.isfinite(loss))`` every step would wait for the whole step's kernels.
+  At the same reads, under ``16-mixed``, :func:`loss_scale_collapsed` stops a run whose GradScaler skips every
+  step while the loss stays finite (float16 gradients that overflow at any scale): silently, no weight moves.
 - :class:`HostAgreement`: whether any rank must skip a batch is a host fact (its loader gave no image), so
   the ranks agree on the host, over a CPU (gloo) process group made once; an all-reduce of a CUDA tensor
   would be read back after every kernel already queued. It is a blocking host round trip every step (a
@@ -81,6 +83,28 @@ def diverged(
         f"{first}-{last}, sync_every_n_steps={every}); training stopped. Last good checkpoint: "
         f"{checkpoint or 'none saved yet'}. Resume from it with --ckpt_path after lowering lr, using "
         "--trainer.precision 32 (fp16 is unstable for 8x8 patches), or a lower clip_grad."
+    )
+
+
+# GradScaler halves its scale (from 65536) at every step whose float16 gradients hold an inf or NaN and doubles
+# it after 2000 clean steps. Below 1 the gradients overflow even unscaled, in true units: nothing a loss scale
+# can fix, and reached only after 17 skipped steps in a row from the start (healthy runs sit at 2^10-2^16).
+MIN_LOSS_SCALE = 1.0
+
+
+def loss_scale_collapsed(
+    scale: float, step: int, loss: float | None, epoch: int, checkpoint: str | None
+) -> TrainingDiverged | None:
+    """The error for a GradScaler whose ``scale`` (the smallest over the ranks) fell below
+    :data:`MIN_LOSS_SCALE` by optimiser ``step``, or None while it has not."""
+    if scale >= MIN_LOSS_SCALE:
+        return None
+    return TrainingDiverged(
+        f"16-mixed: the GradScaler skipped optimiser steps until its loss scale fell to {scale:.3g} (below "
+        f"{MIN_LOSS_SCALE:g}) by global step {step} (epoch {epoch}) while the loss stayed finite ({loss}): the "
+        "float16 gradients hold inf or NaN at any scale, so the weights no longer move; training stopped. Last "
+        f"good checkpoint: {checkpoint or 'none saved yet'}. Use --trainer.precision bf16-mixed or 32, or a "
+        "lower lr or clip_grad."
     )
 
 

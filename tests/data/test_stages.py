@@ -11,6 +11,7 @@ from ssl_xcit.data.stages import in_high_res_stage
 from ssl_xcit.dino.module import DINO
 from ssl_xcit.errors import UserError
 
+from .shard_helpers import make_shards
 from .test_datamodule import make_tree
 
 TINY = dict(backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 1}, out_dim=32, head_hidden_dim=16,
@@ -45,8 +46,14 @@ def _trainer(tmp_path, callbacks, max_epochs=3) -> L.Trainer:
     )  # fmt: skip
 
 
-def test_the_last_epochs_crop_larger_and_a_mid_stage_resume_keeps_the_stage(tmp_path):
-    root = make_tree(tmp_path / "data", per_class=4, size=40)  # 8 images: 2 steps an epoch
+@pytest.mark.parametrize("source", ["folder", "prepared"])
+def test_the_last_epochs_crop_larger_and_a_mid_stage_resume_keeps_the_stage(tmp_path, source):
+    # 8 images: 2 steps an epoch. A prepared dataset (LitData shards) was refused with a stage until it took the
+    # stage's transform (its records go through `item_transform`, not LitData's `transform`).
+    if source == "folder":
+        root = make_tree(tmp_path / "data", per_class=4, size=40)
+    else:
+        root = make_shards(tmp_path / "data", 8, chunk_size=4)
     sizes = CropSizes()
     every_step = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"

@@ -8,6 +8,7 @@ used to leave one rank waiting in a collective the other never entered, and save
 - ``validation``: rank 1's first validation batch is all unreadable (Sinkhorn-Knopp centring all-reduces).
 - ``koleo``: rank 1's first training batch keeps one readable image (KoLeo needs two).
 - ``knn``: the online k-NN monitor, before and after one epoch.
+- ``loss_scale``: under 16-mixed, only rank 1's GradScaler scale falls below 1 (the run must stop on both).
 """
 
 from __future__ import annotations
@@ -178,7 +179,37 @@ def knn(world_size: int) -> dict:
     }
 
 
-SCENARIOS = {"collapse": collapse, "validation": validation, "koleo": koleo, "knn": knn}
+class LowScaleOnRank1(L.Callback):
+    """Rank 1's GradScaler scale drops to 0.25 after the first step; rank 0's stays at 65536."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_rank == 1:
+            trainer.precision_plugin.scaler._scale.fill_(0.25)
+
+
+def loss_scale(world_size: int) -> dict:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from ssl_xcit.errors import TrainingDiverged
+
+    model = build(sync_every_n_steps=1)
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    trainer = _trainer(world_size, [LowScaleOnRank1()], plugins=[plugin])
+    try:
+        trainer.fit(model, _loader(FixedCrops(), world_size))
+        error = None
+    except TrainingDiverged as err:
+        error = str(err)
+    return {"global_step": trainer.global_step, "error": error}
+
+
+SCENARIOS = {
+    "collapse": collapse,
+    "validation": validation,
+    "koleo": koleo,
+    "knn": knn,
+    "loss_scale": loss_scale,
+}
 
 
 def run(out_dir: str | Path, world_size: int, scenario: str) -> dict:

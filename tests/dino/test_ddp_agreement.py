@@ -7,6 +7,7 @@ difference; ``agreement_worker.py`` describes the scenarios.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,10 @@ WORKER = Path(__file__).with_name("agreement_worker.py")
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
-    """What each rank saw, per scenario. The four scenarios run one after another in one 2-process launch:
+    """What each rank saw, per scenario. The scenarios run one after another in one 2-process launch:
     starting torchrun and importing torch and Lightning in both ranks took most of each test's ~18 s."""
     out = tmp_path_factory.mktemp("agreement")
-    scenarios = ("collapse", "validation", "koleo", "knn")
+    scenarios = ("collapse", "validation", "koleo", "knn", "loss_scale")
     torchrun(WORKER, str(out), "2", ",".join(scenarios), timeout=240)
     return {
         s: [torch.load(out / f"{s}_rank{r}_of2.pt", weights_only=False) for r in range(2)] for s in scenarios
@@ -92,3 +93,17 @@ def test_online_knn_splits_the_work_and_matches_one_process(tmp_path, two_ranks)
     # bank 11..20 (9) + queries 6..10 (4); one process embeds all 19 + 10.
     assert [r["images_embedded"] for r in ranks] == [2 * 16, 2 * 13]
     assert single["images_embedded"] == 2 * 29
+
+
+@pytest.mark.distributed
+def test_a_collapsed_loss_scale_on_one_rank_stops_both_at_the_same_step(two_ranks):
+    """Rank 1's scale falls below 1 after step 1 (rank 0's stays at 65536 or half of it); the read after step 2
+    takes the smallest over the ranks, so both stop there with the same error."""
+    ranks = two_ranks["loss_scale"]
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    assert ranks[0]["error"] == ranks[1]["error"]
+    assert re.match(
+        r"16-mixed: the GradScaler skipped optimiser steps until its loss scale fell to 0\.(25|125) \(below 1\) "
+        r"by global step 2 ",
+        ranks[0]["error"],
+    )

@@ -65,3 +65,49 @@ def test_no_checkpoint_is_written_after_a_nan(tiny, tmp_path):
     for path in saved:
         state = torch.load(tmp_path / "ckpt" / path, weights_only=False)["state_dict"]
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+class NaNGradients(L.Callback):
+    """A finite loss whose gradients are NaN: a hook on one student weight, as XCA's float16 backward gave."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        weight = next(p for p in pl_module.student.parameters() if p.requires_grad)
+        weight.register_hook(lambda grad: grad * float("nan"))
+
+
+def _fp16_trainer(tmp_path, callbacks) -> L.Trainer:
+    """16-mixed with a real GradScaler on the CPU (Lightning's CPU flag would turn 16-mixed into bf16)."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    return L.Trainer(
+        max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False,
+        callbacks=list(callbacks), default_root_dir=tmp_path, plugins=[plugin],
+    )  # fmt: skip
+
+
+def test_a_gradscaler_that_skips_every_step_stops_the_run(tiny, tmp_path):
+    """Every step skipped (NaN gradients, finite loss): the scale halves from 65536 at each step, and the first
+    read after it falls below 1 stops the run; before the check the run ended normally with unmoved weights."""
+    L.seed_everything(0)
+    model = tiny.model(sync_every_n_steps=5)
+    before = [p.detach().clone() for p in model.student.parameters()]
+    trainer = _fp16_trainer(tmp_path, [NaNGradients()])
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"16-mixed: the GradScaler skipped optimiser steps until its loss scale fell to 0\.0625 \(below 1\) "
+        r"by global step 20 .*loss stayed finite \(\d.*bf16-mixed or 32",
+    ):
+        trainer.fit(model, DataLoader(RandomCrops(40), batch_size=4, shuffle=False))
+    # the reads at steps 5, 10, 15 and 20 see 2^11, 2^6, 2^1 and 2^-4: the first below 1 is step 20's
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**-4
+    assert all(torch.equal(a, b) for a, b in zip(before, model.student.parameters(), strict=True))
+
+
+def test_a_gradscaler_run_with_finite_gradients_trains_on(tiny, tmp_path):
+    L.seed_everything(0)
+    model = tiny.model(sync_every_n_steps=5)
+    trainer = _fp16_trainer(tmp_path, [])
+    trainer.fit(model, DataLoader(RandomCrops(40), batch_size=4, shuffle=False))
+    assert trainer.global_step == 30 and trainer.precision_plugin.scaler.get_scale() >= 1.0

@@ -14,10 +14,12 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.trainer.memory_plan import GB, PlanInput, estimate, max_batch
 
 REPO = Path(__file__).resolve().parents[2]
-# The estimate's traced peak is within 10 % of the measured one (measured ratios 0.94-1.00: docs/scaling.md),
-# except FSDP2 in bf16-mixed on gloo, 16 % under (FSDP2_BF16_TOLERANCE; not explained yet).
+# The estimate's traced peak is within 10 % of the measured one (measured ratios 0.98-1.00: docs/scaling.md),
+# except FSDP2 in bf16-mixed with ViT-S/16, 8 % under: its peak falls in the patch embedding's CPU convolution
+# backward, whose oneDNN workspaces (~14 MB in bf16) no fake-tensor trace sees (FSDP2_BF16_TOLERANCE). FSDP2 is
+# measured over a fake process group (exactly repeatable); on gloo processes the peak varies by the ranks' timing.
 TOLERANCE = 0.10
-FSDP2_BF16_TOLERANCE = 0.20
+FSDP2_BF16_TOLERANCE = 0.15
 TINY = dict(backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 1}, out_dim=256, head_hidden_dim=64,
             head_bottleneck_dim=32)  # fmt: skip
 
@@ -55,10 +57,23 @@ def test_small_configurations_within_tolerance(name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp2-32", "fsdp2-bf16-xcit", "fsdp2-bf16-ac-xcit", "fsdp2-bf16-ac"])
+def test_fsdp2_over_a_fake_process_group_within_tolerance(name):
+    """Real tensors and FSDP2's own buffers over 2 fake ranks: the measurement that repeats exactly."""
+    _close(
+        _bench().plan_for(name, world_size=2), FSDP2_BF16_TOLERANCE if name == "fsdp2-bf16-ac" else TOLERANCE
+    )
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["fsdp2-32", "fsdp2-bf16-ac"])
-def test_fsdp2_on_two_gloo_processes_within_tolerance(name):
-    _close(_bench().plan_for(name, world_size=2), FSDP2_BF16_TOLERANCE if "bf16" in name else TOLERANCE)
+def test_fsdp2_on_two_gloo_processes_within_tolerance():
+    """2 real gloo ranks add only transport buffers to the fake group's peak (their timing varies from run to
+    run: docs/scaling.md), in float32 within the tolerance."""
+    plan = _bench().plan_for("fsdp2-32", world_size=2)
+    gloo, fake = _bench().measure(plan, transport="gloo"), _bench().measure(plan)
+    assert gloo >= 0.99 * fake
+    assert abs(estimate(plan).traced_peak / gloo - 1) <= TOLERANCE, (estimate(plan).traced_peak, gloo)
 
 
 @pytest.mark.slow
