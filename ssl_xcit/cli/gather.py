@@ -1,5 +1,6 @@
 """``ssl-xcit gather-checkpoint SRC OUT``: a sharded checkpoint (the folder ``--trainer.strategy fsdp2`` writes)
-as one file, the form ``--trainer.strategy fsdp2_whole`` writes (``ssl_xcit.models.sharded``)."""
+as one file, the form ``--trainer.strategy fsdp2_whole`` writes; another trainer's DCP folder (DINOv3's) as its
+whole state dict (``ssl_xcit.models.sharded``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
         description="Write a sharded (FSDP2) checkpoint folder as one checkpoint file.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("source", help="the checkpoint folder (holds .metadata, __<rank>_0.distcp, meta.pt)")
+    parser.add_argument(
+        "source",
+        help="the checkpoint folder: .metadata and __<rank>_0.distcp, with meta.pt when fsdp2 wrote it",
+    )
     parser.add_argument("out", help="the file to write, e.g. last_whole.ckpt")
     args = parser.parse_args(None if argv is None else list(argv))
     out = gather_checkpoint(args.source, args.out)

@@ -4,7 +4,9 @@ is not a tensor of the model or the optimiser: epoch, loops, hyperparameters, RN
 
 :func:`read_sharded_checkpoint` assembles it into the dict a one-file Lightning checkpoint holds, on one
 process with no process group, so ``ssl-xcit export``, ``knn`` and ``--model.init_from`` read either form;
-:func:`gather_checkpoint` writes that dict as one file (``ssl-xcit gather-checkpoint SRC OUT``).
+:func:`gather_checkpoint` writes that dict as one file (``ssl-xcit gather-checkpoint SRC OUT``). It also takes
+a DCP folder of another trainer (no ``meta.pt``; DINOv3's training checkpoints, whose users asked for a way to
+one file in dinov3 issue 268) and writes its whole state dict, nested as saved.
 
 DCP reads its ``.metadata`` index with Python's full unpickler. It is first read here by an unpickler that
 builds only DCP's own metadata classes and a few torch and standard-library types (the "restricting globals"
@@ -71,35 +73,51 @@ def read_sharded_checkpoint(path: str | os.PathLike, trust: bool = False) -> dic
     """The sharded checkpoint at ``path`` as one Lightning checkpoint dict on the CPU: ``meta.pt``'s entries,
     the whole ``state_dict`` and the optimiser state (keyed by parameter name, as FSDP2's full state dicts)
     under ``optimizer_states``."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from ssl_xcit.models.checkpoint import TRUST_FROM_CLI, read_checkpoint
+    from ssl_xcit.models.checkpoint import read_checkpoint
 
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise UserError(f"{path} is not a sharded checkpoint (a folder with {INDEX_FILE} and {META_FILE})")
-    if not (trust or TRUST_FROM_CLI):
-        check_index(path)
+    tensors = read_dcp_folder(path, trust)  # the index is checked before meta.pt is unpickled
     checkpoint = dict(read_checkpoint(path / META_FILE, trust))
-    buffer = io.BytesIO()  # DCP's own single-process reader; the tensors then load weights-only
-    dcp_to_torch_save(path, buffer)
-    buffer.seek(0)
-    tensors = torch.load(buffer, map_location="cpu", weights_only=True)
     checkpoint["state_dict"] = tensors.pop("state_dict")
     optimizers = sorted(k for k in tensors if k.startswith("optimizer_"))
     checkpoint["optimizer_states"] = [tensors[k] for k in optimizers]
     return checkpoint
 
 
+def read_dcp_folder(path: str | os.PathLike, trust: bool = False) -> dict[str, Any]:
+    """Every tensor (and value) of any DCP folder, whole, nested as it was saved, on the CPU."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ssl_xcit.models.checkpoint import TRUST_FROM_CLI
+
+    path = Path(path)
+    if not (path.is_dir() and (path / INDEX_FILE).is_file()):
+        raise UserError(
+            f"{path} is not a sharded checkpoint: a folder with {INDEX_FILE} and __<rank>_0.distcp files"
+        )
+    if not (trust or TRUST_FROM_CLI):
+        check_index(path)
+    buffer = io.BytesIO()  # DCP's own single-process reader; the tensors then load weights-only
+    dcp_to_torch_save(path, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, map_location="cpu", weights_only=True)
+
+
 def gather_checkpoint(source: str | os.PathLike, out: str | os.PathLike, trust: bool = False) -> Path:
-    """Write the sharded checkpoint ``source`` as the one file ``out`` (atomically); returns ``out``. The file
-    is what ``--trainer.strategy fsdp2_whole`` writes: every command reads it, and an FSDP2 run resumes from it."""
+    """Write the sharded checkpoint ``source`` as the one file ``out`` (atomically); returns ``out``. For a
+    folder of ``--trainer.strategy fsdp2`` the file is what ``fsdp2_whole`` writes: every command reads it, and
+    an FSDP2 run resumes from it. For another trainer's DCP folder, its whole state dict as saved."""
     from ssl_xcit.utils.io import atomic_torch_save, owner_only
 
     out = Path(out)
     if out.exists() and out.is_dir():
         raise UserError(f"output {out} is a folder; name the one file to write, e.g. {out}.ckpt")
-    checkpoint = read_sharded_checkpoint(source, trust)
+    if is_sharded_checkpoint(source):
+        checkpoint = read_sharded_checkpoint(source, trust)
+    else:
+        checkpoint = read_dcp_folder(source, trust)
     atomic_torch_save(checkpoint, out, private=owner_only())
     return out
 

@@ -138,3 +138,31 @@ def test_a_folder_is_replaced_whole(tmp_path):
     new.mkdir()
     _replace(new, path)  # nothing to replace
     assert path.is_dir() and not new.exists()
+
+
+def test_another_trainers_dcp_folder_is_gathered_whole(tmp_path):
+    """A DCP folder with no meta.pt (DINOv3's training checkpoints are such folders): its whole state dict,
+    nested as saved, in one file; a folder that is no DCP checkpoint is one line."""
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "model": {"student.backbone.blocks.0.attn.qkv.weight": torch.randn(12, 4, generator=g),
+                  "teacher.backbone.cls_token": torch.randn(1, 1, 4, generator=g)},
+        "optimizer": {"state": {"0": {"exp_avg": torch.randn(12, 4, generator=g)}}},
+        "iteration": torch.tensor(1250),
+    }  # fmt: skip
+    folder = tmp_path / "ckpt" / "1250"
+    dcp.save(state, checkpoint_id=str(folder))  # one process, no process group: one __0_0.distcp
+    assert not is_sharded_checkpoint(folder)  # not ours: the commands that read our runs refuse it
+    one = torch.load(
+        main(["gather-checkpoint", str(folder), str(tmp_path / "dinov3.pth")]), weights_only=True
+    )
+    assert one.keys() == state.keys()
+    assert torch.equal(one["iteration"], state["iteration"])
+    assert one["model"].keys() == state["model"].keys()
+    assert all(torch.equal(one["model"][k], v) for k, v in state["model"].items())
+    assert torch.equal(one["optimizer"]["state"]["0"]["exp_avg"], state["optimizer"]["state"]["0"]["exp_avg"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"empty is not a sharded checkpoint: a folder with \.metadata"):
+        main(["gather-checkpoint", str(tmp_path / "empty"), str(tmp_path / "x.pth")])
