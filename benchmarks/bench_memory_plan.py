@@ -41,6 +41,9 @@ SMALL = dict(
 )
 # ViT-S/16 cut to 2 blocks: a second family, with no BatchNorm (XCiT's are float32 FSDP2 units of their own).
 SMALL_VIT = dict(SMALL, backbone="vit_small_patch16_224")
+# Distillation (ssl_xcit.dino.distill.Distill) into the small XCiT from a frozen DINO ViT-S/16 of 2 blocks, written
+# by this script as our checkpoint (:func:`teacher_file`); "teacher" names it when a configuration is planned.
+DISTILL = dict(SMALL, model_class="ssl_xcit.dino.distill.Distill", teacher=None)
 # name -> (precision, strategy, activation checkpointing, model)
 CONFIGS = {
     "ddp-32": ("32", "ddp", False, SMALL),
@@ -52,7 +55,33 @@ CONFIGS = {
     "fsdp2-bf16-ac": ("bf16-mixed", "fsdp2", True, SMALL_VIT),
     "fsdp2-bf16-xcit": ("bf16-mixed", "fsdp2", False, SMALL),
     "fsdp2-bf16-ac-xcit": ("bf16-mixed", "fsdp2", True, SMALL),
+    "ddp-bf16-distill": ("bf16-mixed", "ddp", False, DISTILL),
+    "fsdp2-bf16-distill": ("bf16-mixed", "fsdp2", False, DISTILL),
 }
+_TEACHER: list[Path] = []
+
+
+def teacher_file() -> Path:
+    """A DINO ViT-S/16 of 2 blocks with its head, saved as our checkpoint in a temporary folder (made once per
+    process, removed at exit): the distillation configurations' teacher."""
+    if not _TEACHER:
+        import atexit
+        import shutil
+        import tempfile
+
+        import torch
+
+        from ssl_xcit.dino.module import DINO
+
+        folder = Path(tempfile.mkdtemp(prefix="bench_memory_plan_"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        torch.manual_seed(0)
+        dino = DINO("vit_small_patch16_224", backbone_kwargs={"depth": 2}, out_dim=1024, head_hidden_dim=256,
+                    head_bottleneck_dim=64)  # fmt: skip
+        path = folder / "teacher.ckpt"
+        torch.save({"state_dict": dino.state_dict(), "hyper_parameters": dict(dino.hparams)}, path)
+        _TEACHER.append(path)
+    return _TEACHER[0]
 
 
 def plan_for(name: str, batch_size: int = 8, world_size: int = 2, model_args: dict | None = None) -> Any:
@@ -61,8 +90,12 @@ def plan_for(name: str, batch_size: int = 8, world_size: int = 2, model_args: di
 
     precision, strategy, ac, model = CONFIGS[name]
     args = {**(model_args or model), "activation_checkpointing": ac}
+    model_class = args.pop("model_class", None)
+    if "teacher" in args and args["teacher"] is None:
+        args["teacher"] = str(teacher_file())
     return PlanInput(
         args,
+        **({"model_class": model_class} if model_class else {}),
         batch_size=batch_size,
         global_crops_size=64,
         local_crops_number=4,

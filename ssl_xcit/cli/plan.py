@@ -16,7 +16,6 @@ the estimate is made and what it adds to the trace.
 from __future__ import annotations
 
 import argparse
-import inspect
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -91,11 +90,11 @@ def _int(value: Any, what: str) -> int:
 
 def plan_input(recipe: dict[str, dict[str, Any]]) -> Any:
     """The ``PlanInput`` of a read recipe; a UserError names a bad value and what is valid."""
-    from ssl_xcit.trainer.memory_plan import DEFAULT_MODEL, PlanInput, model_class
+    from ssl_xcit.trainer.memory_plan import DEFAULT_MODEL, PlanInput, init_parameters, model_class
 
     class_path = recipe["model"]["class_path"] or DEFAULT_MODEL
     args = recipe["model"]["init_args"]
-    accepted = inspect.signature(model_class(class_path).__init__).parameters
+    accepted = init_parameters(model_class(class_path))
     unknown = [k for k in args if k not in accepted]
     if unknown:
         raise UserError(f"{class_path} has no argument {unknown[0]!r} (--model.{unknown[0]})")
@@ -144,7 +143,7 @@ def describe(plan: Any, result: Any, gpu_memory: float) -> str:
         f"  parameters     {_gb(result.parameters)}  student, float32{shard}",
         f"  gradients      {_gb(result.gradients)}  float32",
         f"  optimiser      {_gb(result.optimizer)}  AdamW, 2 float32 states",
-        f"  teachers       {_gb(result.teachers)}  EMA teacher, heads' copies, Gram teacher",
+        f"  teachers       {_gb(result.teachers)}  EMA teacher, heads' copies, Gram or distillation teacher",
         f"  activations    {_gb(result.activations)}  and gradients, gathered units, temporaries at the peak",
     ]
     if result.ddp_buckets:

@@ -128,11 +128,22 @@ def model_class(path: str) -> type:
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, DINO)):
         raise UserError(f"model class {path!r}: ssl-xcit plan plans {DEFAULT_MODEL} and its subclasses")
-    from ssl_xcit.dino.distill import Distill
-
-    if issubclass(cls, Distill):  # it reads its teacher's weights from a file while it is built
-        raise UserError(f"model class {path!r}: distillation runs are not planned yet; plan {DEFAULT_MODEL}")
     return cls
+
+
+def init_parameters(cls: type) -> set[str]:
+    """The arguments ``cls(...)`` takes by name: its own and, where it passes ``**kwargs`` on, its bases'."""
+    import inspect
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(klass.__init__).parameters.values()
+        names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self"}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 def make_crops(plan: PlanInput, device: torch.device | str = "cpu") -> tuple[list, list | None]:
@@ -160,16 +171,48 @@ def _normal_clamped(
         return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
 
 
+@contextlib.contextmanager
+def _architecture_only() -> Iterator[None]:
+    """While a module is built for the plan: a distillation teacher's weights are not read, only its shapes.
+    A ``timm:NAME`` teacher is built without its pretrained weights (no download), and a checkpoint file is
+    memory-mapped (``torch.load(mmap=True)``: a 7B teacher's file costs nothing to open; the meta device's
+    copies never touch its pages)."""
+    from unittest import mock
+
+    import timm
+
+    create, load = timm.create_model, torch.load
+
+    def architecture(name: str, pretrained: bool = False, pretrained_cfg_overlay: Any = None, **kwargs: Any):
+        return create(name, pretrained=False, **kwargs)
+
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        if "mmap" in kwargs:
+            return load(*args, **kwargs)
+        try:
+            return load(*args, mmap=True, **kwargs)
+        except RuntimeError:  # a file of torch's legacy (not zip) format cannot be mapped
+            return load(*args, **kwargs)
+
+    with mock.patch.object(timm, "create_model", architecture), mock.patch.object(torch, "load", mapped):
+        yield
+
+
 def _construct(cls: type, args: dict[str, Any], fake_mode: Any) -> Any:
     """``cls(**args)`` with real tensors, or, under ``fake_mode``, built on the meta device (model code may
     read a host value while it builds: timm's drop-path rates, torch's ``trunc_normal_``) and then given fake
-    CPU storages (as ``to_empty``); the values of a fake module do not matter, only its tensors' sizes."""
+    CPU storages (as ``to_empty``); the values of a fake module do not matter, only its tensors' sizes (a
+    distillation teacher's too: :func:`_architecture_only`)."""
     if fake_mode is None:
         return cls(**args)
     from unittest import mock
 
     # torch's trunc_normal_ redraws until no value is out of range, reading the meta tensor on the host.
-    with torch.device("meta"), mock.patch.object(torch.nn.init, "trunc_normal_", _normal_clamped):
+    with (
+        torch.device("meta"),
+        mock.patch.object(torch.nn.init, "trunc_normal_", _normal_clamped),
+        _architecture_only(),
+    ):
         model = cls(**args)
     with fake_mode:  # to_empty's empty_like would hand the meta tensor itself to the fake mode
         return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))

@@ -26,6 +26,23 @@ def _plan(*argv: str, config: str | None = None) -> PlanInput:
     return plan_input(recipe)
 
 
+def test_a_distillation_recipe_is_planned_with_its_teachers_shapes(capsys):
+    """recipes/distill.yaml with a timm teacher: no download (its architecture only), the student's own
+    arguments accepted through Distill's ``**kwargs``, and the teacher held beside the student."""
+    import timm
+
+    argv = ["-c", "recipes/distill.yaml", "--model.teacher", "timm:vit_tiny_patch16_224", *TINY]
+    plan = _plan(*argv[2:], config=str(REPO / "recipes" / "distill.yaml"))
+    assert (
+        plan.model_class == "ssl_xcit.dino.distill.Distill"
+        and plan.model_args["backbone"] == "xcit_nano_12_p8"
+    )
+    out = cli_main(["plan", *argv])
+    teacher = timm.create_model("vit_tiny_patch16_224", num_classes=0)
+    assert out["teachers"] == 4 * sum(p.numel() for p in teacher.parameters())  # float32, frozen, no EMA copy
+    assert "teachers" in capsys.readouterr().out
+
+
 def test_a_recipe_and_its_overrides_are_read_as_fit_reads_them():
     plan = _plan(config=str(REPO / "recipes" / "dino_vit_s16.yaml"))
     assert (plan.batch_size, plan.global_crops_size, plan.local_crops_number, plan.local_crops_size) == (
@@ -73,7 +90,17 @@ def test_the_printed_plan_is_the_estimate(capsys):
             ["--model.class_path", "ssl_xcit.evaluation.linear.probe.LinearProbe"],
             "plans ssl_xcit.dino.module.DINO",
         ),
-        (["--model.class_path", "ssl_xcit.dino.distill.Distill"], "distillation runs are not planned yet"),
+        (
+            [
+                "-c",
+                "recipes/distill.yaml",
+                "--model.teacher",
+                "timm:vit_tiny_patch16_224",
+                "--model.objective",
+                "dinov3",
+            ],
+            "timm:vit_tiny_patch16_224 has no DINO head, which the dinov3 objective distils from",
+        ),  # fmt: skip
     ],
 )
 def test_bad_inputs_end_in_one_or_two_lines(capsys, argv, message):

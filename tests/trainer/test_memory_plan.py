@@ -51,13 +51,17 @@ def test_estimate_is_within_tolerance_of_the_measured_cpu_peak():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp-32-ac", "ddp-bf16", "ddp-bf16-ac", "ddp-bf16-ac-vit"])
+@pytest.mark.parametrize(
+    "name", ["ddp-32-ac", "ddp-bf16", "ddp-bf16-ac", "ddp-bf16-ac-vit", "ddp-bf16-distill"]
+)
 def test_small_configurations_within_tolerance(name):
     _close(_bench().plan_for(name))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp2-32", "fsdp2-bf16-xcit", "fsdp2-bf16-ac-xcit", "fsdp2-bf16-ac"])
+@pytest.mark.parametrize(
+    "name", ["fsdp2-32", "fsdp2-bf16-xcit", "fsdp2-bf16-ac-xcit", "fsdp2-bf16-ac", "fsdp2-bf16-distill"]
+)
 def test_fsdp2_over_a_fake_process_group_within_tolerance(name):
     """Real tensors and FSDP2's own buffers over 2 fake ranks: the measurement that repeats exactly."""
     _close(
