@@ -97,6 +97,9 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^ssl-xcit visualize ", []),  # the pages' own small settings (shipped images, small backbones)
     # one or two blocks, tiny heads and crops; 2.1 GB leaves ~90 MB beside the fixed 2 GB, so --max-batch ends fast
     (r"^ssl-xcit plan --table ", "tests/cli/test_plan.py runs it, shrunk (16 traces: marked slow)"),
+    # a distillation plan traces its teacher whole: ViT-7B's 40 blocks become a 12-block ViT-Ti
+    (r"^ssl-xcit plan -c recipes/distill\.yaml ", ["--model.teacher=timm:vit_tiny_patch16_224",
+                                                    "--model.backbone_kwargs={depth: 1}", *_PLAN]),
     (r"^ssl-xcit plan ", ["--model.backbone_kwargs={depth: 1}", *_PLAN]),
     (r"^ssl-xcit models$", ["--family", "vit"]),  # all ~45 variants' FLOP counts take ~40 s; the quickest family
 ]  # fmt: skip
