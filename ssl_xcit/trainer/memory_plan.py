@@ -1,7 +1,7 @@
 """The memory plan of ``ssl-xcit plan``: the peak memory per GPU of one DINO training step, made without a GPU.
 
 :func:`estimate` builds the run's own module (``ssl_xcit.dino.module.DINO`` or a subclass, as ``ssl-xcit fit``
-would) on the meta device, gives it fake CPU storages (``FakeTensorMode``: shapes, dtypes and devices but no
+would; a distillation run's frozen teacher from its shapes alone) on the meta device, gives it fake CPU storages (``FakeTensorMode``: shapes, dtypes and devices but no
 memory, so a 7B model costs nothing to hold), makes AdamW's two float32 states with a step on zero gradients,
 and then traces one steady-state training step (:func:`forward_backward` and :func:`update`: teacher and
 student forwards over all crops under the precision's autocast, losses, backward, centres, clipping, AdamW
