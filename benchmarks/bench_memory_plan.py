@@ -23,6 +23,7 @@ peak depends on how far apart the ranks run. Prints each configuration's traced 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -58,30 +59,28 @@ CONFIGS = {
     "ddp-bf16-distill": ("bf16-mixed", "ddp", False, DISTILL),
     "fsdp2-bf16-distill": ("bf16-mixed", "fsdp2", False, DISTILL),
 }
-_TEACHER: list[Path] = []
 
 
+@functools.cache
 def teacher_file() -> Path:
     """A DINO ViT-S/16 of 2 blocks with its head, saved as our checkpoint in a temporary folder (made once per
     process, removed at exit): the distillation configurations' teacher."""
-    if not _TEACHER:
-        import atexit
-        import shutil
-        import tempfile
+    import atexit
+    import shutil
+    import tempfile
 
-        import torch
+    import torch
 
-        from ssl_xcit.dino.module import DINO
+    from ssl_xcit.dino.module import DINO
 
-        folder = Path(tempfile.mkdtemp(prefix="bench_memory_plan_"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        torch.manual_seed(0)
-        dino = DINO("vit_small_patch16_224", backbone_kwargs={"depth": 2}, out_dim=1024, head_hidden_dim=256,
-                    head_bottleneck_dim=64)  # fmt: skip
-        path = folder / "teacher.ckpt"
-        torch.save({"state_dict": dino.state_dict(), "hyper_parameters": dict(dino.hparams)}, path)
-        _TEACHER.append(path)
-    return _TEACHER[0]
+    folder = Path(tempfile.mkdtemp(prefix="bench_memory_plan_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    torch.manual_seed(0)
+    dino = DINO("vit_small_patch16_224", backbone_kwargs={"depth": 2}, out_dim=1024, head_hidden_dim=256,
+                head_bottleneck_dim=64)  # fmt: skip
+    path = folder / "teacher.ckpt"
+    torch.save({"state_dict": dino.state_dict(), "hyper_parameters": dict(dino.hparams)}, path)
+    return path
 
 
 def plan_for(name: str, batch_size: int = 8, world_size: int = 2, model_args: dict | None = None) -> Any:

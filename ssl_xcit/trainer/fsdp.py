@@ -8,8 +8,9 @@ teacher, the Gram teacher and a distillation teacher are sharded exactly like th
 holds the same slice of a parameter in all of them and the EMA update is local (:func:`local_parameters`).
 
 With ``bf16-mixed`` the units compute in bf16, reduce gradients in float32 and keep float32 master weights
-(DINOv3's ``MixedPrecisionPolicy``); BatchNorms (XCiT's, which DINOv3's ViTs lack) keep float32 weights. ``16-mixed`` is refused (:func:`refuse_scaled_precision`); on a CPU,
-Lightning turns a ``16-mixed`` flag into ``bf16-mixed`` before any strategy sees it, as for DDP.
+(DINOv3's ``MixedPrecisionPolicy``); BatchNorms (XCiT's, which DINOv3's ViTs lack) keep float32 weights.
+``16-mixed`` is refused (:func:`refuse_scaled_precision`); on a CPU, Lightning turns a ``16-mixed`` flag into
+``bf16-mixed`` before any strategy sees it, as for DDP.
 
 Not supported: ``compile`` (DINOv3 compiles per block; untested here) and tensor parallelism.
 """

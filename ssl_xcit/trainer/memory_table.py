@@ -16,8 +16,7 @@ settles every answer with full-depth traces (``memory_plan.max_batch``, started 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 from ssl_xcit.trainer.memory_plan import CUDA_OVERHEAD_GB, FRAGMENTATION, GB, MemoryPlan, PlanInput, estimate
 
@@ -106,9 +105,3 @@ def depth_model(plan: PlanInput) -> DepthModel:
             for k in TERMS:
                 values[k][b, d] = getattr(traced, k)
     return DepthModel({k: Bilinear.through(v) for k, v in values.items()}, model_depth(plan), plan)
-
-
-def memory_terms(result: MemoryPlan) -> dict[str, Any]:
-    """A plan's terms and peaks as a dict (bytes)."""
-    out: dict[str, Any] = {f.name: getattr(result, f.name) for f in fields(result) if f.name != "plan"}
-    return {**out, "activations": result.activations, "traced_peak": result.traced_peak, "peak": result.peak}

@@ -4,6 +4,7 @@ different mechanism from the estimate's MemTracker), within :data:`TOLERANCE`.""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +25,7 @@ TINY = dict(backbone="xcit_nano_12_p8", backbone_kwargs={"depth": 1}, out_dim=25
             head_bottleneck_dim=32)  # fmt: skip
 
 
+@functools.cache  # one module: its teacher file (distillation configurations) is written once
 def _bench():
     spec = importlib.util.spec_from_file_location(
         "bench_memory_plan", REPO / "benchmarks" / "bench_memory_plan.py"
