@@ -109,7 +109,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
         module = self.lightning_module
         strict = module.strict_loading
-        load_state_as_shards(module, checkpoint.pop("state_dict"), strict=strict)
+        load_whole_state(module, checkpoint.pop("state_dict"), strict=strict)
         options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
         for index, optimizer in enumerate(self.optimizers):
             state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][index], self.model)
@@ -274,21 +274,13 @@ def tensor_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def load_whole_state(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """``module.load_state_dict(state)`` for a whole (unsharded) ``state`` that every rank holds; under FSDP2
-    each rank keeps its own slice of every tensor (``set_model_state_dict``)."""
+    """``module.load_state_dict(state)`` for a whole (unsharded) ``state`` that every rank holds. Under FSDP2
+    each tensor whose place in the module is sharded is first cut to this rank's slice locally (no
+    communication); the module's own ``load_state_dict`` then runs, with its overrides and every submodule's
+    extra state."""
     if not any(isinstance(p, DTensor) for p in module.parameters()):
         module.load_state_dict(state, strict=strict)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    reshard(module)
-    set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
-
-
-def load_state_as_shards(module: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """``module.load_state_dict(state)`` for a whole ``state`` every rank holds: each tensor whose place in the
-    module is sharded is cut to this rank's slice locally (no communication), then the module's own
-    ``load_state_dict`` runs, with its overrides and every submodule's extra state."""
     from torch.distributed.tensor import distribute_tensor
 
     reshard(module)
