@@ -288,39 +288,72 @@ DDP_ROWS = {
 }
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a worker process: one thread, this repository importable, cuBLAS deterministic (the
+    sharded-resume row compares bits)."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def launch(script: Path, world: int, *args: str) -> str | None:
+    """``script`` on ``world`` processes (torchrun for 2); the last line of its error, or None."""
+    cmd = [sys.executable, str(script)]
+    if world > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+               f"--master_port={port}", str(script)]  # fmt: skip
+    proc = subprocess.run([*cmd, *args], env=worker_env(), capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or ["(no output)"]
+        return lines[-1][:90]
+    return None
+
+
+def teacher_run(check: Check, world: int, mode: str) -> dict | str:
+    """``gpu_check_ddp.py``'s run of ``mode`` on ``world`` processes (made once per check: the DDP and FSDP2
+    rows share the 1-process run), or its error."""
+    out = check.tmp / "ddp"
+    out.mkdir(exist_ok=True)
+    path = out / f"teacher_ws{world}_{mode}.pt"
+    if not path.exists():
+        size = "32" if check.dry else "64"
+        error = launch(HERE / "gpu_check_ddp.py", world, str(out), str(world), check.accelerator, size, mode)
+        if error is not None:
+            return error
+    return torch.load(path, weights_only=True)
+
+
+def compare_teachers(one: dict, other: dict, rtol: float, atol: float) -> tuple[float, bool]:
+    """The largest absolute difference of two runs' teachers, and whether they hold the same tensors, each
+    within ``rtol`` / ``atol``."""
+    diff = max(
+        float((one["teacher"][k].float() - v.float()).abs().max()) for k, v in other["teacher"].items()
+    )
+    close = other["teacher"].keys() == one["teacher"].keys() and all(
+        torch.allclose(v.float(), one["teacher"][k].float(), rtol=rtol, atol=atol)
+        for k, v in other["teacher"].items()
+    )
+    return diff, close
+
+
 def ddp_row(check: Check, mode: str = "plain") -> Row:
     name, adds, (rtol, atol) = DDP_ROWS[mode]
     if not check.dry and torch.cuda.device_count() < 2:
         if mode == "plain":
             return Row(name, "nccl", f"skipped: {torch.cuda.device_count()} GPU(s)", "skip")
         return Row(name, "nccl", f"n/a: needs 2 GPUs, found {torch.cuda.device_count()}", "skip")
-    worker, out = HERE / "gpu_check_ddp.py", check.tmp / "ddp"
-    out.mkdir(exist_ok=True)
-    size = "32" if check.dry else "64"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    runs = [
-        [sys.executable, str(worker), str(out), "1", check.accelerator, size, mode],
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1", f"--master_port={port}",
-         str(worker), str(out), "2", check.accelerator, size, mode],
-    ]  # fmt: skip
-    for cmd in runs:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            return Row(name, "", f"run failed: {proc.stderr.strip().splitlines()[-1][:90]}", "fail")
-    one, two = (torch.load(out / f"teacher_ws{w}_{mode}.pt", weights_only=True) for w in (1, 2))
-    diff = max(float((one["teacher"][k].float() - v.float()).abs().max()) for k, v in two["teacher"].items())
+    one, two = teacher_run(check, 1, mode), teacher_run(check, 2, mode)
+    for run in (one, two):
+        if isinstance(run, str):
+            return Row(name, "", f"run failed: {run}", "fail")
+    diff, close = compare_teachers(one, two, rtol, atol)
     moved = one["steps"] == two["steps"] == 3
-    close = all(
-        torch.allclose(v.float(), one["teacher"][k].float(), rtol=rtol, atol=atol)
-        for k, v in two["teacher"].items()
-    )
     backend = "gloo, CPU" if check.dry else "nccl"
     if check.dry and mode == "compile":
         backend += ", aot_eager"  # gpu_check_ddp.py says why

@@ -17,8 +17,6 @@ result in OUT/resume_rank<r>.pt.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,48 +27,14 @@ HERE = Path(__file__).resolve().parent
 STEPS, EVERY, CRASH = 3, 2, 3  # 3 optimiser steps an epoch; the checkpoint of step 2 is resumed
 
 
-def _env(check: Any) -> dict[str, str]:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # cuBLAS deterministic (the resume row compares bits)
-        "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-    }
-
-
-def _launch(check: Any, script: Path, world: int, *args: str) -> str | None:
-    """``script`` on ``world`` processes (torchrun for 2); the last line of its error, or None."""
-    cmd = [sys.executable, str(script)]
-    if world > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-               f"--master_port={port}", str(script)]  # fmt: skip
-    proc = subprocess.run([*cmd, *args], env=_env(check), capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or ["(no output)"]
-        return lines[-1][:90]
-    return None
-
-
 def _world(check: Any) -> int:
     """2 processes in the dry run (gloo) and with 2 or more GPUs; 1 on one GPU."""
     return 2 if check.dry or torch.cuda.device_count() >= 2 else 1
 
 
-def _teacher_run(check: Any, world: int, mode: str) -> dict | str:
-    """``gpu_check_ddp.py``'s run of ``mode`` on ``world`` processes (made once per check), or its error."""
-    out = check.tmp / "ddp"
-    out.mkdir(exist_ok=True)
-    path = out / f"teacher_ws{world}_{mode}.pt"
-    if not path.exists():
-        size = "32" if check.dry else "64"
-        error = _launch(check, HERE / "gpu_check_ddp.py", world, str(out), str(world), check.accelerator, size,
-                        mode)  # fmt: skip
-        if error is not None:
-            return error
-    return torch.load(path, weights_only=True)
+def _gpu_check(check: Any) -> Any:
+    """gpu_check.py's module, however it was loaded: its ``Row``, worker launch and teacher runs."""
+    return sys.modules[type(check).__module__]
 
 
 def equality_row(row_type: Any, check: Any, world: int) -> Any:
@@ -78,16 +42,13 @@ def equality_row(row_type: Any, check: Any, world: int) -> Any:
     backend = ("gloo, CPU" if check.dry else "nccl") + f", {world} process(es)"
     if world > 1 and not check.dry and torch.cuda.device_count() < 2:
         return row_type(name, "nccl", f"n/a: needs 2 GPUs, found {torch.cuda.device_count()}", "skip")
-    one, fsdp = _teacher_run(check, 1, "plain"), _teacher_run(check, world, "fsdp2")
+    gpu_check = _gpu_check(check)
+    one, fsdp = gpu_check.teacher_run(check, 1, "plain"), gpu_check.teacher_run(check, world, "fsdp2")
     for run in (one, fsdp):
         if isinstance(run, str):
             return row_type(name, backend, f"run failed: {run}", "fail")
     rtol, atol = 1e-4, 1e-5  # gpu_check's DDP row's: only the order of float32 sums differs
-    diff = max(float((one["teacher"][k].float() - v.float()).abs().max()) for k, v in fsdp["teacher"].items())
-    close = fsdp["teacher"].keys() == one["teacher"].keys() and all(
-        torch.allclose(v.float(), one["teacher"][k].float(), rtol=rtol, atol=atol)
-        for k, v in fsdp["teacher"].items()
-    )
+    diff, close = gpu_check.compare_teachers(one, fsdp, rtol, atol)
     ok = close and one["steps"] == fsdp["steps"] == 3
     setting = f"{backend}, 32-true (TF32 off), SGD, 3 steps of 16; tolerance rtol {rtol:g} atol {atol:g}"
     return row_type(name, setting, f"teacher max abs diff {diff:.2e} after {fsdp['steps']} steps",
@@ -96,7 +57,7 @@ def equality_row(row_type: Any, check: Any, world: int) -> Any:
 
 def dtype_row(row_type: Any, check: Any) -> Any:
     name, setting = "fsdp2 bf16-mixed dtypes", "1 process, bf16-mixed: block compute, sharded params, grads"
-    run = _teacher_run(check, 1, "fsdp2_bf16")
+    run = _gpu_check(check).teacher_run(check, 1, "fsdp2_bf16")
     if isinstance(run, str):
         return row_type(name, setting, f"run failed: {run}", "fail")
     found = run["dtypes"]
@@ -115,8 +76,8 @@ def resume_row(row_type: Any, check: Any) -> Any:
     )
     out = check.tmp / "fsdp2_resume"
     out.mkdir(exist_ok=True)
-    error = _launch(check, Path(__file__), world, str(out), str(world), check.accelerator,
-                    "32" if check.dry else "64")  # fmt: skip
+    error = _gpu_check(check).launch(Path(__file__), world, str(out), str(world), check.accelerator,
+                                     "32" if check.dry else "64")  # fmt: skip
     if error is not None:
         return row_type(name, setting, f"run failed: {error}", "fail")
     ranks = [torch.load(out / f"resume_rank{r}.pt", weights_only=True) for r in range(world)]
@@ -128,7 +89,7 @@ def resume_row(row_type: Any, check: Any) -> Any:
 
 
 def rows(check: Any) -> list[Any]:
-    row_type = sys.modules[type(check).__module__].Row  # gpu_check's, however it was loaded
+    row_type = _gpu_check(check).Row
     return [
         equality_row(row_type, check, 1),
         equality_row(row_type, check, 2),
