@@ -386,11 +386,12 @@ class DINO(DINOLifecycle):
 
     def _optimizer_step(self, opt: Any, momentum: float, reduce: bool = False) -> None:
         """The window's end (``ssl_xcit.dino.optimizer_step.window_step``): centres, step, EMA."""
-        window_step(self, opt, momentum, reduce and self.trainer.world_size > 1)
+        window_step(self, opt, momentum, reduce and self.trainer.world_size > 1, self._window_backwards)
         self._window_backwards = 0
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Called by the precision plugin; unscales where Lightning did not, then clip and cancel as the reference.
+        # Called by the precision plugin after the callbacks' hook, on true gradients: clip and cancel as the
+        # reference.
         before_optimizer_step(self, optimizer)
 
     def _update_teacher(self, momentum: float) -> None:

@@ -4,11 +4,16 @@ step and the teacher's EMA.
 - DDP reduces gradients once per window, in the backward of its closing micro-batch (``gradient_sync``). When
   every rank skips that micro-batch (no readable image on some rank), no backward reduces what the window's
   other micro-batches accumulated: :func:`reduce_local_gradients` does DDP's average explicitly, so the ranks
-  step on the same gradients, the ones the readable micro-batches give. FSDP2 reduce-scatters in every
-  backward: its gradients need nothing more.
-- Under a GradScaler (``16-mixed``), the clip must see gradients in true units. Lightning unscales before
-  ``on_before_optimizer_step`` only for optimisers that do not unscale themselves; for fused AdamW/SGD
-  (``_step_supports_amp_scaling``) :func:`unscale_for_clip` does it. The fused step then takes GradScaler's
+  step on the same gradients. FSDP2 reduce-scatters in every backward: its gradients need nothing more.
+- A window steps on the mean gradient of its readable micro-batches. Each backward divides its loss by k (the
+  window's length, known before the window ends); when some micro-batches were skipped (every rank skips
+  together), :func:`mean_over_readable` multiplies the sum by k / readable. Without it the step, the
+  per-parameter clip and SGD's or LARS's update would shrink by readable / k. Every rank skips the same
+  micro-batches, so the factor is the same everywhere and 2 processes still equal 1.
+- Under a GradScaler (``16-mixed``), the clip and every callback's ``on_before_optimizer_step`` must see
+  gradients in true units. Lightning unscales before those hooks only for optimisers that do not unscale
+  themselves; for fused AdamW/SGD (``_step_supports_amp_scaling``) :func:`unscale_for_clip` does it before
+  ``opt.step()``, that is before Lightning calls the callbacks' hooks. The fused step then takes GradScaler's
   ``found_inf`` on the device and makes no host read, where a non-fused step reads it with ``.item()``
   (docs/training.md, "Precision").
 """
@@ -73,10 +78,22 @@ def reduce_local_gradients(
             param.grad = (chunk / world_size).view_as(param).to(param.dtype)
 
 
+@torch.no_grad()
+def mean_over_readable(params: list[nn.Parameter], readable: int, length: int) -> None:
+    """Turn the window's accumulated sum of loss / ``length`` gradients into the mean over its ``readable``
+    micro-batches (a factor ``length / readable``, applied only when some were skipped). Works on DTensor
+    gradient shards too (an elementwise op); a host-side factor, so no host read."""
+    if 0 < readable < length:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(length / readable)
+
+
 def unscale_for_clip(trainer: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Unscale the gradients for the clip when Lightning did not: under a GradScaler, for an optimiser whose
-    step unscales itself (fused AdamW/SGD). The step then gets ``grad_scale=None`` and ``found_inf`` on the
-    device, and skips itself on an overflow as GradScaler would."""
+    """Unscale the gradients before the step when Lightning will not: under a GradScaler, for an optimiser
+    whose step unscales itself (fused AdamW/SGD). Called before ``opt.step()``, so the callbacks' and the
+    module's ``on_before_optimizer_step`` (the clip) see true gradients. The step then gets ``grad_scale=None``
+    and ``found_inf`` on the device, and skips itself on an overflow as GradScaler would."""
     if scaler_in_use(trainer) and getattr(optimizer, "_step_supports_amp_scaling", False):
         trainer.precision_plugin.scaler.unscale_(optimizer)
 
@@ -88,26 +105,31 @@ def scaler_in_use(trainer: Any) -> bool:
 
 
 def before_optimizer_step(module: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Order as in the reference: (unscale,) clip, then cancel the last layer's and the waiting backbone's
-    gradients."""
-    if module._trainer is not None:
-        unscale_for_clip(module._trainer, optimizer)
+    """Order as in the reference: clip (true gradients: :func:`window_step` and Lightning unscaled them), then
+    cancel the last layer's and the waiting backbone's gradients."""
     if module.hparams.clip_grad:
         clip_gradients(module.student, module.hparams.clip_grad)
     cancel_gradients_last_layer(module.current_epoch, module.student, module.hparams.freeze_last_layer)
     drop_backbone_gradients(module.student, module.global_step, head_warmup_steps(module))
 
 
-def window_step(module: Any, opt: Any, momentum: float, reduce: bool) -> None:
+def window_step(module: Any, opt: Any, momentum: float, reduce: bool, readable: int) -> None:
     """The window's centres move, the gradients are reduced when ``reduce`` (the window's closing micro-batch
-    was skipped on every rank after others had accumulated), then step (-> ``on_before_optimizer_step``),
-    clear, EMA. Neither step nor EMA when the window has no gradients (all its micro-batches were skipped)."""
+    was skipped on every rank after others had accumulated), made the mean over the ``readable`` micro-batches
+    and unscaled where Lightning will not, then step (-> the callbacks' and the module's
+    ``on_before_optimizer_step``: clip), clear, EMA. Neither step nor EMA when the window has no gradients (all
+    its micro-batches were skipped)."""
     for targets in module._teacher_targets():
         targets.apply_center()
+    params = list(module.student.parameters())
     if reduce:
-        reduce_local_gradients(list(module.student.parameters()), module.trainer.world_size)
-    if all(p.grad is None for p in module.student.parameters()):
+        reduce_local_gradients(params, module.trainer.world_size)
+    if all(p.grad is None for p in params):
         return
+    mean_over_readable(params, readable, module.hparams.accumulate_grad_batches)
+    # The torch optimiser itself, not Lightning's wrapper: GradScaler keeps its per-optimiser state by id(), and
+    # Lightning's step hands it the torch one, which would otherwise be unscaled a second time.
+    unscale_for_clip(module.trainer, getattr(opt, "optimizer", opt))
     opt.step()
     opt.zero_grad(set_to_none=True)
     module._update_teacher(momentum)

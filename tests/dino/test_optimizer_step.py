@@ -1,12 +1,14 @@
 """``ssl_xcit.dino.optimizer_step``: the explicit gradient reduction of a window whose closing micro-batch was
-skipped, on one process with the other rank's all-reduce contribution simulated."""
+skipped, on one process with the other rank's all-reduce contribution simulated, and a window's gradient as the
+mean over its readable micro-batches. A fit whose window steps on that mean is the invariant matrix's
+``skipped = readable mean`` column (tests/invariants, on 1 and 2 processes)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ssl_xcit.dino.optimizer_step import reduce_local_gradients
+from ssl_xcit.dino.optimizer_step import mean_over_readable, reduce_local_gradients
 
 
 def _params(*grads: torch.Tensor | None) -> list[nn.Parameter]:
@@ -63,3 +65,17 @@ def test_fsdp2_gradients_are_left_as_their_backward_reduced_them():
         torch.testing.assert_close(plain.grad, torch.tensor([2.0, 4.0]))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_window_with_skipped_micro_batches_steps_on_the_readable_ones_mean():
+    """Each backward adds loss / k; with r of k micro-batches readable the window's gradient is their mean
+    (sum x k / r), not their sum / k, which would shrink the step, the clip and SGD's update by r / k. A
+    window with every micro-batch readable, or none, is left alone (no step runs on the latter)."""
+    k, grads = 3, [torch.tensor([3.0, -6.0]), torch.tensor([1.0, 2.0])]  # two readable micro-batches
+    (param,) = _params(sum(g / k for g in grads))
+    mean_over_readable([param], readable=2, length=k)
+    torch.testing.assert_close(param.grad, (grads[0] + grads[1]) / 2)
+    (whole,) = _params(torch.tensor([1.0, 2.0]))
+    mean_over_readable([whole], readable=3, length=3)
+    mean_over_readable([whole], readable=0, length=3)
+    assert torch.equal(whole.grad, torch.tensor([1.0, 2.0]))
