@@ -129,13 +129,50 @@ def build_optimizer(name: str, params_groups: list[dict], fused: bool = False) -
         _check_fused(name, params_groups)
     # fused=None (not False) leaves torch's own default choice of implementation untouched.
     if name == "adamw":
-        return torch.optim.AdamW(params_groups, lr=0.0, fused=True if fused else None)
-    if name == "sgd":
-        sgd = torch.optim.SGD(params_groups, lr=0.0, momentum=0.9, fused=True if fused else None)
+        optimizer = torch.optim.AdamW(params_groups, lr=0.0, fused=True if fused else None)
+    elif name == "sgd":
+        optimizer = torch.optim.SGD(params_groups, lr=0.0, momentum=0.9, fused=True if fused else None)
         if fused:
-            sgd.register_step_pre_hook(_late_momentum_buffers)
-        return sgd
-    return LARS(params_groups)
+            optimizer.register_step_pre_hook(_late_momentum_buffers)
+    else:
+        return LARS(params_groups)
+    # Public since torch 2.1 (pytorch#105953); pyproject.toml promises torch>=2.6.
+    optimizer.register_load_state_dict_pre_hook(_keep_live_implementation)
+    return optimizer
+
+
+# The keys of a torch optimiser's param groups that choose how its step runs, not what it computes.
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _keep_live_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``load_state_dict`` pre-hook: the param groups keep this run's implementation flags, not the checkpoint's.
+
+    torch restores the saved groups whole, so a checkpoint of a non-fused optimiser (``32-true`` or
+    ``bf16-mixed``, where ``fused_optimizer: null`` builds a non-fused one) resumed under a GradScaler made the
+    live fused optimiser run its non-fused step, while the instance still told the scaler it takes
+    ``found_inf`` (``_step_supports_amp_scaling``): "Expected grad_scale and found_inf to be None" at the first
+    step. The reverse ran a fused step where this run chose none (and the fused SGD without its momentum hook).
+    A pre-hook and not a post-hook: torch places each state's ``step`` by the groups it loads (on the parameter's
+    device, in float32, for fused or capturable groups). A fused or capturable checkpoint's ``step`` returns to
+    the host where this run's groups are neither, as torch makes it for them (no device read per step)."""
+    saved = state_dict["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        return state_dict  # torch's own error for the mismatch
+    groups, host_step = [], set()
+    for live, group in zip(optimizer.param_groups, saved, strict=True):
+        flags = {key: live[key] for key in IMPLEMENTATION_KEYS if key in live}
+        groups.append({**group, **flags})
+        if not (flags.get("fused") or flags.get("capturable")):
+            host_step.update(group["params"])
+    state = {}
+    for param_id, param_state in state_dict["state"].items():
+        step = param_state.get("step") if isinstance(param_state, dict) else None
+        if param_id in host_step and isinstance(step, torch.Tensor) and step.device.type != "cpu":
+            param_state = {**param_state, "step": step.to("cpu")}
+        state[param_id] = param_state
+    # New containers: the caller's state dict (a checkpoint Lightning may still hold) is left as it was.
+    return {**state_dict, "param_groups": groups, "state": state}
 
 
 def _late_momentum_buffers(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
