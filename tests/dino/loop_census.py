@@ -2,22 +2,33 @@
 
 An iteration (a *window*) runs from the start of ``_TrainingEpochLoop.advance`` (Lightning's SIGTERM broadcast,
 then the batch's fetch) to the start of the next one, hooks, logging, validation and checkpoints included; the
-last one of an epoch ends when the epoch loop returns. On the CPU there is no device to wait for, so every one
-of these calls on any tensor counts as a host read (on a GPU each one waits for the queue):
+last one of an epoch ends when the epoch loop returns. On the CPU there is no device to wait for, so the census
+counts the calls that would make the host wait on a GPU, what ``torch.cuda.set_sync_debug_mode("warn")`` counts
+there (the same figures, site by site: ``benchmarks/sync_count.py``):
 
 - ``read``: a scalar read (``.item()``, ``bool()``, ``float()``, ``int()``, f-strings: ``aten::_local_scalar_dense``),
-  ``.tolist()``, ``.numpy()``;
-- ``shape``: an operator whose output size depends on the values (``nonzero``, boolean-mask indexing...);
-- ``copy``: a blocking copy to a device: ``.to(device)``/``.cuda()`` without ``non_blocking=True`` of a batch
-  tensor in the transfer, ``torch.tensor(data, device=<a torch.device>)`` of host data (each a pageable,
-  synchronous copy on CUDA);
+  ``.tolist()``, ``.numpy()``, and a blocking copy to the host (``.cpu()``, ``.to("cpu")``, ``host.copy_(device)``),
+  each of a tensor that would be on the device;
+- ``shape``: an operator whose output size depends on the values (``nonzero``, boolean-mask indexing,
+  ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``...);
+- ``copy``: a blocking copy of host memory to a device: ``.to(device)``/``.cuda()`` without ``non_blocking=True``
+  and ``device.copy_(host)`` of a host tensor, indexing a device tensor with host indices (torch copies them
+  over), ``torch.tensor(data, device=<a torch.device>)`` of host data (each a pageable, synchronous copy on CUDA);
 - ``collective``: a ``torch.distributed`` collective on the default group, except those the step's math needs
   (centre and Sinkhorn-Knopp all-reduces, synchronised BatchNorm, FSDP2's clip norms: ``STEP_COLLECTIVES``).
 
+Which tensors would be on the host on a GPU run: the loader's batches until their transfer, tensors made without
+a device (``torch.zeros(n)``, ``torch.tensor(data)``, ``torch.from_numpy``, ``torch.frombuffer``), copies to the
+host, every result of an operator on host tensors only, the optimiser's CPU ``step`` counters and the tensors of a
+gloo group of its own; a tensor copied to a device (``.to(device)``, even when that returns it unchanged, as on the
+CPU) and everything else would be on the device. A copy with ``non_blocking=True`` is not counted: CUDA queues it
+(from pageable memory too; pinned memory also spares the driver's staging copy).
+
 Not counted: the loader's work inside the fetch (on a GPU run it is host work on host tensors before the
-pinned copy), the optimiser's ``step`` counters (torch keeps them on the CPU unless ``capturable``/``fused``,
-so reading them never waits on a GPU), and Lightning's ``move_data_to_device``, which passes
-``non_blocking=True`` for tensors on CUDA (it blocks only on the CPU).
+pinned copy), reads of host tensors, and Lightning's ``move_data_to_device``, which passes ``non_blocking=True``
+for tensors on CUDA (it blocks only on the CPU). ``torch.full``/``torch.zeros(..., device=...)`` of a Python
+number is a kernel launch, not a copy. The device augmentation (``augment_on=device``) runs in the transfer as
+on a GPU, on the CPU's tensors; each window's ``device_augment`` counts the batches it cut and augmented there.
 
 Each finding is ``(kind, site)``; ``site`` is ``file:line (function)`` of the innermost frame outside torch's
 own Python wrappers, ``<- file:line`` the innermost frame of ssl_xcit or Lightning when that is another one.
@@ -95,12 +106,32 @@ def call_site() -> str:
     return site
 
 
+_INDEX_OPS = ("aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_")
+# torch functions that make a tensor on the host when no device (or the CPU's, by name) is given.
+_FACTORIES = {
+    "tensor", "as_tensor", "asarray", "zeros", "ones", "empty", "full", "arange", "range", "linspace", "logspace",
+    "eye", "rand", "randn", "randint", "randperm", "scalar_tensor", "empty_strided", "tril_indices", "triu_indices",
+}  # fmt: skip
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an operator's arguments (lists of tensors opened)."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, torch.Tensor)]
+    return found
+
+
 class _Dispatch(TorchDispatchMode):
     def __init__(self, census: LoopCensus) -> None:
         super().__init__()
         self.census = census
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = func._schema.name
         census = self.census
         if census.counting():
@@ -108,13 +139,28 @@ class _Dispatch(TorchDispatchMode):
                 if not census.is_host(args[0]):
                     census.record("read")
             elif name in SHAPE_OPS:
-                if not (name == "aten::repeat_interleave" and (kwargs or {}).get("output_size")):
+                if not (name == "aten::repeat_interleave" and kwargs.get("output_size")):
                     census.record("shape")
-            elif name in ("aten::index", "aten::index_put_", "aten::index_put"):
+            elif name in _INDEX_OPS:
                 indices = args[1] if len(args) > 1 else ()
-                if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+                indices = [i for i in indices if isinstance(i, torch.Tensor)]
+                if any(i.dtype in (torch.bool, torch.uint8) for i in indices):
                     census.record("shape")  # a boolean mask: nonzero inside, on the host on CUDA
-        return func(*args, **(kwargs or {}))
+                elif not census.known_host(args[0]) and any(census.known_host(i) for i in indices):
+                    census.record("copy")  # host indices of a device tensor: copied over, blocking
+            elif name == "aten::copy_" and not (args[2] if len(args) > 2 else kwargs.get("non_blocking")):
+                dst, src = census.known_host(args[0]), census.known_host(args[1])
+                if src and not dst:
+                    census.record("copy")
+                elif dst and not src and args[1].dim() > 0:  # a 0-d source is a scalar the host reads
+                    census.record("read")
+        out = func(*args, **kwargs)
+        # What an operator makes of host tensors only stays on the host.
+        inputs = _tensor_args(args, kwargs)
+        if inputs and all(census.known_host(t) for t in inputs):
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                census.add_host(t)
+        return out
 
 
 def _device_target(args: tuple, kwargs: dict) -> bool:
@@ -133,6 +179,25 @@ def _names_a_device(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+def _to_target(census: LoopCensus, args: tuple, kwargs: dict) -> str | None:
+    """Where ``Tensor.to(*args, **kwargs)`` copies: ``"host"`` (the CPU named by a string, as ``.to("cpu")``, or
+    a host tensor's device), ``"device"`` (any ``torch.device``: ``self.device`` is one, the CPU's on this CPU and
+    CUDA's on a GPU run) or None (a dtype only)."""
+    for value in (kwargs.get("device"), *args):
+        if isinstance(value, torch.Tensor):
+            return "host" if census.known_host(value) else "device"
+        if isinstance(value, str):
+            return "device" if torch.device(value).type != "cpu" else "host"
+        if isinstance(value, (torch.device, int)) and not isinstance(value, bool):
+            return "device"
+    return None
+
+
+def _blocking(args: tuple, kwargs: dict) -> bool:
+    """No ``non_blocking=True``, by keyword or in its place (``to(device, dtype, True)``, ``cuda(0, True)``)."""
+    return not kwargs.get("non_blocking", False) and not any(a is True for a in args[1:4])
+
+
 class _Function(TorchFunctionMode):
     def __init__(self, census: LoopCensus) -> None:
         super().__init__()
@@ -141,24 +206,55 @@ class _Function(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         census = self.census
-        if census.counting():
-            name = getattr(func, "__name__", "")
-            if name in ("tolist", "numpy"):
+        name = getattr(func, "__name__", "")
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in ("tolist", "numpy") and tensor is not None:
+            if census.counting() and not census.is_host(tensor):
                 census.record("read")
-            elif name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
-                blocking = not kwargs.get("non_blocking", False) and not (
-                    len(args) > 2 and isinstance(args[2], bool) and args[2]
-                )
-                transfer = census.in_transfer and id(args[0]) in census.batch_tensors
-                if blocking and transfer and (name == "cuda" or _device_target(args[1:], kwargs)):
-                    if "fabric/utilities/apply_func.py" not in "".join(
-                        f.filename for f in traceback.extract_stack()[-4:-1]
-                    ):
-                        census.record("copy")
-            elif func is torch.tensor or func is torch.as_tensor:
-                if _names_a_device(kwargs.get("device")):
+            return func(*args, **kwargs)
+        if name in ("to", "cuda", "cpu") and tensor is not None:
+            return self._copy(func, name, tensor, args, kwargs)
+        if name == "new_tensor" and tensor is not None and census.counting():
+            device = kwargs.get("device")
+            if _names_a_device(device) or (device is None and not census.is_host(tensor)):
+                census.record("copy")  # Python data copied to the device tensor's device
+        out = func(*args, **kwargs)
+        if func is torch.tensor or func is torch.as_tensor or func is torch.asarray:
+            if _names_a_device(kwargs.get("device")):
+                if census.counting():
                     census.record("copy")
-        return func(*args, **kwargs)
+                return out
+        if name in _FACTORIES and getattr(func, "__module__", None) == "torch" and not args_are(out, args):
+            if not _names_a_device(kwargs.get("device")):
+                census.add_host(out)
+        return out
+
+    def _copy(self, func, name: str, tensor: torch.Tensor, args: tuple, kwargs: dict):
+        census = self.census
+        target = "host" if name == "cpu" else "device" if name == "cuda" else _to_target(census, args[1:], kwargs)
+        host = census.is_host(tensor) if target is not None else False
+        blocking = _blocking(args, kwargs)
+        if census.counting() and target == "host" and not host and blocking:
+            census.record("read")  # a device-to-host copy: the host waits for the queue
+        elif census.counting() and target == "device" and blocking:
+            transfer = census.in_transfer and id(tensor) in census.batch_tensors
+            if (host or transfer) and "fabric/utilities/apply_func.py" not in "".join(
+                f.filename for f in traceback.extract_stack()[-5:-1]
+            ):
+                census.record("copy")
+        out = func(*args, **kwargs)
+        if target == "host" and not host:
+            if out is tensor:  # this CPU's device: a copy of its own, as on a GPU, so the original stays put
+                out = out.clone()
+            census.add_host(out)
+        elif target == "device":
+            census.discard_host(out)
+        return out
+
+
+def args_are(out: Any, args: tuple) -> bool:
+    """Whether a function returned one of its arguments (``as_tensor`` of a tensor): nothing new was made."""
+    return any(out is a for a in args)
 
 
 class LoopCensus:
@@ -172,6 +268,7 @@ class LoopCensus:
         self._paused = 0
         self.in_transfer = False
         self.batch_tensors: set[int] = set()
+        self.device_augment = 0  # batches cut and augmented in the transfer (augment_on=device), all windows
         self._host: dict[int, weakref.ref] = {}  # host tensors by design (see the module docstring)
         self._trainer: Any = None
 
@@ -184,11 +281,34 @@ class LoopCensus:
 
     def add_host(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor):
-            self._host[id(tensor)] = weakref.ref(tensor)
+            key, host = id(tensor), self._host
+            # Dropped with the tensor (its id is then reused), unless a new one took its place meanwhile.
+            host[key] = weakref.ref(tensor, lambda ref: host.get(key) is ref and host.pop(key))
 
-    def is_host(self, tensor: Any) -> bool:
+    def discard_host(self, tensor: Any) -> None:
+        if self.known_host(tensor):
+            del self._host[id(tensor)]
+
+    def known_host(self, tensor: Any) -> bool:
+        """A host tensor by what the census saw made or copied (``is_host`` adds the step counters)."""
         ref = self._host.get(id(tensor))
         return ref is not None and ref() is tensor
+
+    def is_host(self, tensor: Any) -> bool:
+        if self.known_host(tensor):
+            return True
+        # An optimiser step counter made during this iteration: a parameter's first step after a window of
+        # accumulation, a head warm-up or a last-layer freeze (the for-loop AdamW reads it with ``.item()``).
+        self._add_step_counters()
+        ref = self._host.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _add_step_counters(self) -> None:
+        """Every optimiser's CPU ``step`` counters (never on a GPU unless ``capturable``/``fused``)."""
+        for opt in self._trainer.optimizers if self._trainer is not None else ():
+            for state in opt.state.values():
+                if isinstance(state.get("step"), torch.Tensor) and state["step"].device.type == "cpu":
+                    self.add_host(state["step"])
 
     def mark(self, what: str) -> None:
         if self._window is not None and what not in self._window["marks"]:
@@ -205,16 +325,14 @@ class LoopCensus:
     def _open(self, loop: Any) -> None:
         self._close()
         trainer = self._trainer = loop.trainer
-        for opt in trainer.optimizers:
-            for state in opt.state.values():
-                if isinstance(state.get("step"), torch.Tensor) and state["step"].device.type == "cpu":
-                    self.add_host(state["step"])
+        self._add_step_counters()
         self._window = {
             "epoch": trainer.current_epoch,
             "batch_idx": loop.batch_idx + 1,
             "global_step": trainer.global_step,
             "marks": [],
             "found": [],
+            "device_augment": 0,
         }
 
     def _close(self) -> None:
@@ -250,7 +368,10 @@ class LoopCensus:
         def fetch(original):
             def wrapper(*args, **kwargs):
                 with census.paused():
-                    return original(*args, **kwargs)
+                    batch = original(*args, **kwargs)
+                for tensor in _tensors(batch):  # on the host until the transfer
+                    census.add_host(tensor)
+                return batch
 
             return wrapper
 
@@ -259,9 +380,12 @@ class LoopCensus:
                 census.batch_tensors = _tensor_ids(batch)
                 census.in_transfer = True
                 try:
-                    return original(strategy, batch, *args, **kwargs)
+                    moved = original(strategy, batch, *args, **kwargs)
                 finally:
                     census.in_transfer = False
+                for tensor in _tensors(moved):  # on the device now, even where the CPU returned the same tensor
+                    census.discard_host(tensor)
+                return moved
 
             return wrapper
 
@@ -280,6 +404,23 @@ class LoopCensus:
                 if module._finite.pending:
                     census.mark("sync")
                 return original(module, *args, **kwargs)
+
+            return wrapper
+
+        def host_made(original):
+            def wrapper(*args, **kwargs):
+                out = original(*args, **kwargs)
+                census.add_host(out)
+                return out
+
+            return wrapper
+
+        def device_augment(original):
+            def wrapper(batch, *args, **kwargs):
+                if census._window is not None and isinstance(batch, (list, tuple)) and batch:
+                    if isinstance(batch[0], device_crops.CropBatch):
+                        census._window["device_augment"] += 1
+                return original(batch, *args, **kwargs)
 
             return wrapper
 
@@ -311,6 +452,8 @@ class LoopCensus:
         from lightning.pytorch.loops.fit_loop import _FitLoop
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+        from ssl_xcit.data import datamodule_device, device_crops
+
         patch(_TrainingEpochLoop, "advance", advance)
         patch(_FitLoop, "on_advance_end", epoch_done)  # epoch-end hooks (k-NN) join the last iteration
         for cls in (fetchers._DataFetcher, fetchers._PrefetchDataFetcher, _BaseDataLoaderIter):
@@ -320,6 +463,11 @@ class LoopCensus:
         patch(DINOLifecycle, "_read_finite", read_finite)
         patch(DINOLifecycle, "on_save_checkpoint", marking("checkpoint"))
         patch(DINOLifecycle, "on_train_epoch_end", marking("epoch_end"))
+        patch(datamodule_device, "augment_batch", device_augment)  # the hook's own name for it
+        for name in ("from_numpy", "frombuffer"):  # made on the host, without a device argument to see
+            original = getattr(torch, name)
+            saved.append((torch, name, original))
+            setattr(torch, name, functools.wraps(original)(host_made(original)))
         for name in COLLECTIVES:
             if hasattr(dist, name):
                 original = getattr(dist, name)
@@ -327,8 +475,6 @@ class LoopCensus:
                 setattr(dist, name, collective(name, original))
         # CropBatch.to copies blocking to the CPU, as Lightning does, and non-blocking to an accelerator. On this
         # CPU the census asks what it would do on a GPU, so no device type counts as blocking while it runs.
-        from ssl_xcit.data import device_crops
-
         saved.append((device_crops, "_BLOCKING_DEVICE_TYPES", device_crops._BLOCKING_DEVICE_TYPES))
         device_crops._BLOCKING_DEVICE_TYPES = ()
         modes = [_Dispatch(self), _Function(self)]
@@ -345,8 +491,13 @@ class LoopCensus:
 
 
 def _tensor_ids(batch: Any) -> set[int]:
-    """The ids of every tensor in a batch: lists, tuples, dicts and objects (a ``CropBatch``) walked."""
-    found: set[int] = set()
+    """The ids of every tensor in a batch (``_tensors``)."""
+    return {id(t) for t in _tensors(batch)}
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in a batch: lists, tuples, dicts and objects (a ``CropBatch``) walked."""
+    found: list[torch.Tensor] = []
     todo, seen = [batch], set()
     while todo:
         item = todo.pop()
@@ -354,7 +505,7 @@ def _tensor_ids(batch: Any) -> set[int]:
             continue
         seen.add(id(item))
         if isinstance(item, torch.Tensor):
-            found.add(id(item))
+            found.append(item)
         elif isinstance(item, dict):
             todo.extend(item.values())
         elif isinstance(item, (list, tuple)):

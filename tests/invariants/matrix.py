@@ -1,10 +1,13 @@
-"""The invariant matrix from the command line: ``python tests/invariants/matrix.py --table invariants.md``.
+"""The invariant matrix from the command line: ``python tests/invariants/matrix.py --docs docs/invariants.md``.
 
 Runs every row of the all-pairs designs (``matrix_options.full_design``: DDP's, then FSDP2's; ``--strategy
 fsdp2,fsdp2_whole`` FSDP2's alone, ``--rows N`` the first N, ``--only ROW_ID,...`` named ones) on 2 gloo processes and its 1-process references (``matrix_worker``), checks them
 (``matrix_checks``) and prints a Markdown table, one row per combination, one column per invariant; exit status 1
-when any cell fails. ``--accelerator cuda`` runs the rows on a GPU (NCCL for 2 processes; with fewer than 2 GPUs
-only the 1-process columns are meaningful, see ``--world 1``). Run from the repository root.
+when any cell fails. ``--mutants`` runs the seeded defects of ``mutants.py`` instead (``--mutants NAME,...``
+some), each in every precision, and prints which cell kills each; exit status 1 when one survives. ``--docs
+FILE`` writes the tables into FILE between their markers (docs/invariants.md), so the page is the code's output.
+``--accelerator cuda`` runs the rows on a GPU (NCCL for 2 processes; with fewer than 2 GPUs only the 1-process
+columns are meaningful, see ``--world 1``). Run from the repository root.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ sys.path.insert(0, str(HERE))
 
 import matrix_checks  # noqa: E402
 import matrix_worker  # noqa: E402
+import mutants  # noqa: E402
 from matrix_options import (  # noqa: E402, F401 (pairwise, fsdp2_design, expected_refusal: gpu_check_matrix.py)
     AXES,
     STRATEGIES,
@@ -34,12 +38,12 @@ from matrix_options import (  # noqa: E402, F401 (pairwise, fsdp2_design, expect
     strategy,
 )
 
-TABLE_AXES = [*AXES, "strategy"]
+TABLE_AXES = [*AXES, "scaler", "strategy"]
 
 WORKER = HERE / "matrix_worker.py"
-ROW_TIMEOUT_S = (
-    240  # a row's 2-process runs: 10-90 s on 2 cores shared with others (compiled rows the longest)
-)
+# A row's 2-process runs: 10-90 s on 2 cores shared with others (compiled rows the longest); inductor's compile
+# takes minutes more, and those rows get three times as long.
+ROW_TIMEOUT_S = 240
 
 
 def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_process: bool = False) -> None:
@@ -52,7 +56,7 @@ def _launch(out: Path, rows: list[dict], world: int, accelerator: str, in_proces
         spec = out / f"rows_ws{world}.json"
         spec.write_text(json.dumps(pending))
         args = [str(out), str(spec), str(world), accelerator]
-        timeout = ROW_TIMEOUT_S * len(pending)
+        timeout = sum(ROW_TIMEOUT_S * (3 if r["compile"] == "inductor" else 1) for r in pending)
         try:
             if world > 1:
                 fixtures.torchrun(WORKER, *args, timeout=timeout)
@@ -89,6 +93,64 @@ def run_matrix(
     return [matrix_checks.results_for(out, r, row_id(r), matrix_worker.WINDOWS, 2 in worlds) for r in rows]
 
 
+def mutant_results(
+    names: list[str], out: Path, accelerator: str = "cpu", precisions: tuple[str, ...] = mutants.PRECISIONS
+) -> dict[str, list[tuple[str, str]]]:
+    """Each mutant's rows (``mutants.rows``, those of ``precisions``) run with the defect seeded; per precision
+    ``(status, cell)``: ``killed`` and the first failing column with its detail, ``equivalent`` (a
+    GradScaler-only defect outside 16-mixed whose runs equal the unmutated row's bit for bit), or ``SURVIVED``."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for name in names:
+        rows = [r for r in mutants.rows(name) if r["precision"] in precisions]
+        with mutants.environment(name):
+            results = run_matrix(rows, out / name, accelerator)
+        cells = []
+        for row, result in zip(rows, results, strict=True):
+            failed = [(c, d) for c, (s, d) in result.items() if s == matrix_checks.FAIL]
+            if mutants.MUTANTS[name].scaler_only and row["precision"] != "16-mixed":
+                plain = run_matrix([row], out / "unmutated", accelerator)  # noqa: F841 (its runs, on disk)
+                same = matrix_checks.same_runs(out / name / row_id(row), out / "unmutated" / row_id(row))
+                cells.append(("equivalent", "no GradScaler: " + same) if not same.startswith("FAIL")
+                             else ("SURVIVED", same))  # fmt: skip
+            elif len(failed) == len(result) and len({d for _, d in failed}) == 1:  # the row's runs stopped
+                cells.append(("killed", f"every cell: the run stopped ({failed[0][1]})"))
+            elif failed:
+                column, detail = failed[0]
+                cells.append(("killed", f"{column} ({detail})"))
+            else:
+                cells.append(("SURVIVED", "every cell passed"))
+        found[name] = cells
+        print(
+            f"{name}: "
+            + "; ".join(f"{r['precision']} {s} {c}" for r, (s, c) in zip(rows, cells, strict=True)),
+            flush=True,
+        )
+    return found
+
+
+def mutant_table(found: dict[str, list[tuple[str, str]]]) -> str:
+    """Markdown: one row per mutant, one column per precision, the killing cell in each."""
+    lines = [
+        "| mutant | defect | " + " | ".join(mutants.PRECISIONS) + " |",
+        "|" + "---|" * (2 + len(mutants.PRECISIONS)),
+    ]
+    for name, cells in found.items():
+        text = [f"{s}: {c}".replace("|", "/") if s != "killed" else c.replace("|", "/") for s, c in cells]
+        lines.append(f"| `{name}` | {mutants.MUTANTS[name].what} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
+def write_docs(path: Path, section: str, text: str, command: str) -> None:
+    """Replace the text between ``<!-- matrix:SECTION -->`` and ``<!-- /matrix:SECTION -->`` in ``path``."""
+    start, end = f"<!-- matrix:{section} -->", f"<!-- /matrix:{section} -->"
+    page = path.read_text()
+    if start not in page or end not in page:
+        raise SystemExit(f"{path} has no {start} ... {end} markers")
+    head, rest = page.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{command}\n\n{text}\n{end}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", type=Path, help="also write the table to this Markdown file")
@@ -101,7 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 1], help="process counts to run (2 1)")
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--check-only", action="store_true", help="check the runs under --out, run none")
+    parser.add_argument("--mutants", nargs="?", const=",".join(mutants.MUTANTS), default=None,
+                        help="run the seeded defects (comma-separated names; all by default) instead")  # fmt: skip
+    parser.add_argument("--docs", type=Path, help="write the tables into this page between their markers")
     args = parser.parse_args(argv)
+    if args.mutants is not None:
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            found = mutant_results(
+                args.mutants.split(","), (args.out or Path(tmp)) / "mutants", args.accelerator
+            )
+        text = mutant_table(found)
+        print(text + f"\n\n{len(found)} mutants in {(time.perf_counter() - start) / 60:.1f} min")
+        if args.docs:
+            write_docs(args.docs, "mutants", text, _stamp("--mutants", start))
+        return 1 if any(s == "SURVIVED" for cells in found.values() for s, _ in cells) else 0
     rows = full_design(tuple(args.strategy.split(",")))
     if args.only:
         wanted = set(args.only.split(","))
@@ -123,7 +199,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(rows)} rows in {minutes:.1f} min")
     if args.table:
         args.table.write_text(text + "\n")
+    if args.docs:
+        write_docs(args.docs, "+".join(sorted(set(args.strategy.split(",")))), text,
+                   _stamp(f"--strategy {args.strategy}", start))  # fmt: skip
     return 1 if any(s == matrix_checks.FAIL for r in results for s, _ in r.values()) else 0
+
+
+def _stamp(flags: str, start: float) -> str:
+    """The line above a generated table: its command, machine and date."""
+    import os
+    import platform
+
+    import torch
+
+    return (
+        f"Generated by `python tests/invariants/matrix.py {flags} --docs docs/invariants.md` on "
+        f"{os.cpu_count()} CPU cores ({platform.machine()}), {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
+        f"in {(time.perf_counter() - start) / 60:.1f} min."
+    )
 
 
 if __name__ == "__main__":

@@ -17,17 +17,30 @@ AXES: dict[str, tuple[str, ...]] = {
     # the window on every rank (no optimiser step in that window).
     "unreadable": ("none", "start", "end", "one_rank", "every_rank"),
     "precision": ("32-true", "bf16-mixed", "16-mixed"),
-    # fused=False leaves torch its own choice (foreach on accelerators, the for-loop on the CPU).
-    "optimizer": ("foreach", "fused"),
+    # SGD: fused=False leaves torch its own choice (foreach on accelerators, the for-loop on the CPU), or fused.
+    # adamw: what users run (matrix_worker.OPTIMIZERS): AdamW with the quickstart recipe's schedules, DINO's
+    # one-epoch last-layer freeze and the automatic fused choice (fused under 16-mixed's GradScaler).
+    "optimizer": ("foreach", "fused", "adamw"),
     "norm": ("xcit_syncbn", "vit_nobn"),
     "objective": ("dino", "koleo", "ibot", "gram", "distill_features", "distill_dino", "init_from"),
     "compile": ("off", "aot_eager"),
 }
 
 
+# Keys a row may carry besides AXES, with the value a row without the key has: the GradScaler's start (``low``:
+# 2^4, no overflow; ``overflow``: torch's default 2^16, which overflows the first step, matrix_worker.SCALERS),
+# compile with ``inductor`` (extra rows only: minutes of compile on 2 cores) and the strategy (FSDP2's rows).
+EXTRA_KEYS = {"scaler": "low", "strategy": "ddp"}
+
+
 def row_id(row: dict[str, str]) -> str:
     """A short stable name: the values in axis order (``2-end-16-mixed-fused-...``)."""
     return "-".join(row[axis] for axis in row)
+
+
+def setting(row: dict[str, str], key: str) -> str:
+    """``row``'s value of an axis or of an ``EXTRA_KEYS`` key (its default when the row has none)."""
+    return row.get(key, EXTRA_KEYS.get(key))
 
 
 def _uncovered(axes: dict[str, tuple[str, ...]]) -> set[tuple[str, str, str, str]]:
@@ -64,32 +77,57 @@ def pairwise(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:
     return rows
 
 
-# Rows added to the all-pairs design so that "accumulation = concatenation" is checked in every precision: no
-# all-pairs row has accumulation > 1, no unreadable micro-batch, the ViT and a batch-split-free objective at once.
+# Rows added to the all-pairs design so that "accumulation = concatenation" is checked in every precision and for
+# every objective whose loss does not depend on the batch split: no all-pairs row has accumulation > 1, no
+# unreadable micro-batch, the ViT and such an objective at once.
+_ACC = {"unreadable": "none", "norm": "vit_nobn", "compile": "off"}
 ACCUMULATION_ROWS = [
-    {"accumulate": "2", "unreadable": "none", "precision": p, "optimizer": "foreach", "norm": "vit_nobn",
-     "objective": "dino", "compile": "off"}
+    {"accumulate": "2", **_ACC, "precision": p, "optimizer": "foreach", "objective": "dino"}
     for p in AXES["precision"]
+] + [
+    {"accumulate": k, **_ACC, "precision": p, "optimizer": o, "objective": objective}
+    for k, p, o, objective in (
+        ("3", "32-true", "adamw", "gram"),
+        ("2", "bf16-mixed", "foreach", "distill_features"),
+        ("3", "16-mixed", "fused", "distill_dino"),
+        ("2", "32-true", "foreach", "init_from"),
+        ("2", "bf16-mixed", "adamw", "dino"),
+    )
+]
+for _row in ACCUMULATION_ROWS:  # axis order, so ids read as the design's
+    _row.update({a: _row.pop(a) for a in list(AXES)})
+# What users run that the all-pairs design cannot hold: GradScaler overflow steps (torch's default first scale,
+# 2^16, overflows the first step in every batch split; ``matrix_worker.SCALERS``), and inductor, the compile
+# backend users get (aot_eager's graphs without inductor's kernels in the design's rows).
+USER_ROWS = [
+    {"accumulate": "1", "unreadable": "none", "precision": "16-mixed", "optimizer": "foreach",
+     "norm": "vit_nobn", "objective": "dino", "compile": "off", "scaler": "overflow"},
+    {"accumulate": "2", "unreadable": "one_rank", "precision": "16-mixed", "optimizer": "adamw",
+     "norm": "vit_nobn", "objective": "dino", "compile": "off", "scaler": "overflow"},
+    {"accumulate": "1", "unreadable": "none", "precision": "32-true", "optimizer": "adamw",
+     "norm": "vit_nobn", "objective": "dino", "compile": "inductor"},
 ]  # fmt: skip
 
 
 def design(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:
-    """The DDP rows: the all-pairs design, then ``ACCUMULATION_ROWS`` (those of ``axes``' values)."""
+    """The DDP rows: the all-pairs design, then ``ACCUMULATION_ROWS`` and ``USER_ROWS`` (those of ``axes``'
+    values)."""
     rows = pairwise(axes)
-    extra = [r for r in ACCUMULATION_ROWS if r.keys() == axes.keys() and r not in rows]
+    known = lambda r: all(r[a] in axes[a] or a == "compile" for a in axes)  # noqa: E731
+    extra = [r for r in ACCUMULATION_ROWS + USER_ROWS if known(r) and r not in rows]
     return rows + extra
 
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_whole")
 # FSDP2 (``--trainer.strategy fsdp2``: sharded checkpoints; ``fsdp2_whole``: one-file checkpoints) over what it
-# runs: 32-true and bf16-mixed (DINOv3's policy), torch's default SGD, no compile. The unreadable positions keep one window-closing
+# runs: 32-true and bf16-mixed (DINOv3's policy), torch's default SGD and the users' AdamW, no compile. The unreadable positions keep one window-closing
 # case (rank 1 only: the ranks must agree) besides none, start and a window with no step; "end" takes the same
 # path as "one_rank" (every rank skips the closing micro-batch). 28 rows (7 objectives x 4 positions).
 FSDP2_AXES: dict[str, tuple[str, ...]] = {
     **AXES,
     "unreadable": ("none", "start", "one_rank", "every_rank"),
     "precision": ("32-true", "bf16-mixed"),
-    "optimizer": ("foreach",),
+    "optimizer": ("foreach", "adamw"),
     "compile": ("off",),
     "strategy": STRATEGIES[1:],
 }
@@ -114,7 +152,7 @@ REFUSED_ROWS = [  # the two FSDP2 strategies in turn
 
 def strategy(row: dict[str, str]) -> str:
     """The row's strategy (DDP's rows carry none)."""
-    return row.get("strategy", "ddp")
+    return setting(row, "strategy")
 
 
 def expected_refusal(row: dict[str, str]) -> str | None:
@@ -132,7 +170,7 @@ def fsdp2_design() -> list[dict[str, str]]:
     rows = pairwise(FSDP2_AXES)
     precisions = FSDP2_AXES["precision"]
     extra = [{**r, "strategy": FSDP2_AXES["strategy"][precisions.index(r["precision"])]}
-             for r in ACCUMULATION_ROWS if r["precision"] in precisions]  # fmt: skip
+             for r in ACCUMULATION_ROWS[: len(AXES["precision"])] if r["precision"] in precisions]  # fmt: skip
     return rows + [r for r in extra if r not in rows] + REFUSED_ROWS
 
 

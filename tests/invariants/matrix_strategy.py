@@ -25,21 +25,16 @@ def trainer_strategy(row: dict[str, str], world_size: int) -> str:
     return name
 
 
-def precision_args(precision: str, accelerator: str) -> dict[str, Any]:
-    """``16-mixed`` on the CPU needs its GradScaler given: Lightning otherwise runs bf16 with no scaler."""
+def precision_args(precision: str, accelerator: str, scaler: str = "low") -> dict[str, Any]:
+    """``16-mixed`` on the CPU needs its GradScaler given: Lightning otherwise runs bf16 with no scaler.
+    ``scaler`` names its settings (``matrix_worker.SCALERS`` says why)."""
     if precision == "16-mixed":
         from lightning.pytorch.plugins import MixedPrecision
+        from matrix_worker import SCALERS
 
-        scaler = torch.amp.GradScaler(accelerator, init_scale=scaler_init())
-        return {"plugins": [MixedPrecision("16-mixed", accelerator, scaler)]}
+        grad_scaler = torch.amp.GradScaler(accelerator, **SCALERS[scaler])
+        return {"plugins": [MixedPrecision("16-mixed", accelerator, grad_scaler)]}
     return {"precision": precision}
-
-
-def scaler_init() -> float:
-    """The CPU GradScaler's first scale (``matrix_worker.SCALER_INIT`` says why)."""
-    from matrix_worker import SCALER_INIT
-
-    return SCALER_INIT
 
 
 def module_state(model: Any) -> dict[str, torch.Tensor]:
@@ -67,3 +62,24 @@ def refusal(row: dict[str, str], err: BaseException) -> dict[str, str] | None:
     if expected is not None and expected in message:
         return {"refused": f"{type(err).__name__}: {message}"}
     return None
+
+
+def local_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What this rank holds itself, no gather: each state tensor and each parameter's optimiser state as float32
+    copies of the local shard (FSDP2) or the tensor, with whether it is sharded. The ``ranks equal`` column
+    compares the sharded ones with the same slices of the 1-process run, the others between the ranks: a
+    gathered whole tensor is the same all-gathered copy on every rank by construction, and proves nothing."""
+    from torch.distributed.tensor import DTensor
+
+    from ssl_xcit.trainer.fsdp import reshard
+
+    def local(v: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        sharded = isinstance(v, DTensor)
+        return (v.to_local() if sharded else v).detach().float().clone(), sharded
+
+    reshard(model)
+    states = (optimizer.state[p] for g in optimizer.param_groups for p in g["params"])
+    return {
+        "state": {k: local(v) for k, v in model.state_dict().items()},
+        "optimizer": [{k: local(v) for k, v in s.items() if isinstance(v, torch.Tensor)} for s in states],
+    }

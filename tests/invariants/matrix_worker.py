@@ -43,6 +43,14 @@ PREEMPT_WINDOW = 1  # rank 0 asks for a pre-emption after this window's first mi
 # 2^4 overflows in no row and still scales the gradients far past the clip threshold (3.0), as a real run's
 # scale does, so a clip of scaled gradients is still caught.
 SCALER_INIT = 2.0**4
+# A row's GradScaler (``matrix_options.EXTRA_KEYS["scaler"]``): ``low`` starts at SCALER_INIT; ``overflow`` at torch's
+# default 2^16, which overflows the first step's float16 gradients in every batch split, and backs off by 2^-12 to
+# SCALER_INIT in one skipped step (the default halving would skip every step of a 4-step run), so the rows that
+# start there skip exactly their first step on every rank and in every run, as a real run's first steps do.
+SCALERS = {
+    "low": {"init_scale": SCALER_INIT},
+    "overflow": {"init_scale": 2.0**16, "backoff_factor": 2.0**-12},
+}
 CHECKPOINT_EVERY = 3  # the step ModelCheckpoint's interval (the quickstart's 10, scaled to a 4-step run)
 
 
@@ -83,6 +91,20 @@ def skipped_micro_batches(row: dict[str, str]) -> list[int]:
     return list(range(first, first + k))
 
 
+def readable_copy(row: dict[str, str]) -> str | None:
+    """None when a window with a skipped micro-batch must step as the same window with a copy of its readable
+    micro-batch in place of the skipped one (both are the readable micro-batch's gradient), else why not: only
+    with one readable and one skipped micro-batch (k = 2) does a copy give the readable ones' mean, and iBOT's
+    masks are drawn per micro-batch (a copy gets other masks)."""
+    if row["unreadable"] not in ("start", "end", "one_rank"):
+        return "no partly skipped window"
+    if row["accumulate"] != "2":
+        return f"k = {row['accumulate']}: no copy gives the readable ones' mean"
+    if row["objective"] == "ibot":
+        return "iBOT's masks are drawn per micro-batch"
+    return None
+
+
 def positions(row: dict[str, str], world_size: int) -> set[int]:
     """Positions in the epoch's sample order whose images are unreadable. Position ``p`` goes to rank
     ``p % WORLD`` of the 2-process run (the sampler's interleave), and global micro-batch ``m`` is positions
@@ -95,12 +117,22 @@ def positions(row: dict[str, str], world_size: int) -> set[int]:
     return found
 
 
-def dataset(row: dict[str, str], world_size: int, seed: int) -> Any:
+def dataset(row: dict[str, str], world_size: int, seed: int, duplicate: bool = False) -> Any:
     """ddp_worker's deterministic crops, ``WINDOWS`` windows long; the unreadable positions map to dataset
-    indices through the sampler's own permutation (``ResumableSampler``: seed + epoch 0)."""
+    indices through the sampler's own permutation (``ResumableSampler``: seed + epoch 0). ``duplicate``: no image
+    is unreadable; each unreadable global micro-batch holds a copy of a readable one of its window instead,
+    so the window's mean gradient is its readable micro-batches' mean (``skipped = readable mean``)."""
     crops = ddp_worker().FixedCrops
     n = WINDOWS * int(row["accumulate"]) * MICRO * WORLD
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    unreadable = frozenset(order[p] for p in positions(row, world_size))
+    source = {}  # dataset index -> the index whose item it copies
+    if duplicate:
+        size, k = MICRO * WORLD, int(row["accumulate"])
+        skipped = set(skipped_micro_batches(row))
+        readable = [m for m in range(SKIP_WINDOW * k, SKIP_WINDOW * k + k) if m not in skipped]
+        source = {order[m * size + j]: order[readable[0] * size + j] for m in skipped for j in range(size)}
+        unreadable = frozenset()
 
     gram = row["objective"] == "gram"
 
@@ -109,7 +141,7 @@ def dataset(row: dict[str, str], world_size: int, seed: int) -> Any:
             return n
 
         def __getitem__(self, i: int) -> Any:
-            item = super().__getitem__(i)
+            item = super().__getitem__(source.get(i, i))
             if item is None or not gram:
                 return item
             # A model that anchors needs the Gram teacher's crops (gram_resolution_scale 1: the global crops'
@@ -117,7 +149,7 @@ def dataset(row: dict[str, str], world_size: int, seed: int) -> Any:
             views, *rest = item
             return ({"crops": views, "gram_crops": [v.clone() for v in views[:2]]}, *rest)
 
-    return Crops(frozenset(order[p] for p in positions(row, world_size)))
+    return Crops(unreadable)
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -158,7 +190,21 @@ def row_source(row: dict[str, str], sources: dict[str, Path]) -> str:
     return str(sources[row["norm"]])
 
 
-def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool) -> Any:
+# The optimiser column's settings. SGD (momentum 0.9) at a high learning rate moves the weights far in 4 steps, so
+# that a disagreement stands out against float noise: AdamW's division by sqrt(v) turns noise on near-zero
+# gradients into full-size steps. ``adamw`` is what users run: AdamW with the quickstart recipe's schedules
+# (linear warm-up over the run's one epoch, weight decay 0.04 -> 0.1, teacher momentum 0.98), DINO's default
+# one-epoch freeze of the head's last layer, and the automatic fused choice (fused under 16-mixed's GradScaler).
+SGD = dict(optimizer="sgd", lr=2.0, warmup_epochs=0, momentum_teacher=0.9, freeze_last_layer=0)
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "foreach": {**SGD, "fused_optimizer": False},
+    "fused": {**SGD, "fused_optimizer": True},
+    "adamw": dict(optimizer="adamw", fused_optimizer=None, lr=0.008, min_lr=1e-5, warmup_epochs=1,
+                  weight_decay=0.04, weight_decay_end=0.1, momentum_teacher=0.98, freeze_last_layer=1),
+}  # fmt: skip
+
+
+def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool | None = None) -> Any:
     from ssl_xcit.dino.distill import Distill
     from ssl_xcit.dino.module import DINO
 
@@ -167,18 +213,14 @@ def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool) -> A
     if row["objective"] == "init_from":
         extra["init_from"] = row_source(row, sources)
     L.seed_everything(0, verbose=False)
+    optimizer = dict(OPTIMIZERS[row["optimizer"]])
+    if fused is not None:  # the fused = foreach column's twin
+        optimizer["fused_optimizer"] = fused
     common = dict(
         backbone=backbone,
         backbone_kwargs=kwargs,
         drop_path_rate=0.0,  # its masks draw per rank: the 1- and 2-process runs would differ by design
-        warmup_epochs=0,
-        # SGD (momentum 0.9): AdamW's division by sqrt(v) turns float noise on near-zero gradients into
-        # full-size steps, which would hide a real disagreement behind a loose tolerance (ddp_worker).
-        optimizer="sgd",
-        lr=2.0,
-        momentum_teacher=0.9,  # the teacher moves visibly in 4 steps
-        freeze_last_layer=0,
-        fused_optimizer=fused,
+        **optimizer,
         accumulate_grad_batches=int(row["accumulate"]),
         compile=row["compile"] != "off",
         sync_every_n_steps=1000,  # one read, at the epoch's end: the census sees the steady state
@@ -215,6 +257,31 @@ class Record(L.Callback):
                     callback.received = signal.SIGTERM
 
 
+class Gradients(L.Callback):
+    """Each optimiser step's student gradients as the callbacks' ``on_before_optimizer_step`` sees them: reduced
+    over the ranks, the mean over the window's readable micro-batches, in true units (unscaled), before the clip.
+    Compared window by window, where nothing dilutes an error: a doubled window gradient is a difference of 1,
+    which the clip (it caps each norm at 3) and the weights' accumulated float noise hide in the weights. Local
+    shards under FSDP2 (no gather inside the censused step), with whether each is sharded."""
+
+    def __init__(self) -> None:
+        self.windows: list[dict[str, tuple[torch.Tensor, bool]]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from torch.distributed.tensor import DTensor
+
+        self.windows.append({
+            name: (_local(p.grad).detach().float().clone(), isinstance(p.grad, DTensor))
+            for name, p in pl_module.student.named_parameters() if p.grad is not None
+        })  # fmt: skip
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def callbacks(out: Path) -> list[L.Callback]:
     """The quickstart recipe's callbacks (its online k-NN aside: it needs a labelled validation set and
     runs at the epoch's end, outside the steady state) and the CLI's ``PreemptionCheckpoint``."""
@@ -239,28 +306,29 @@ def callbacks(out: Path) -> list[L.Callback]:
 def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, *, batch: int = MICRO,
         fused: bool | None = None, preempt: bool = False, ckpt_path: Path | None = None,
         census: bool = False, data_row: dict | None = None, strategy: str | None = None,
-        ) -> dict[str, Any]:  # fmt: skip
-    """One fit of ``row`` (under ``strategy``, else the row's); its state, losses and census windows."""
+        duplicate: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One fit of ``row`` (under ``strategy``, else the row's); its state, gradients, losses and census
+    windows. ``duplicate``: the unreadable images are replaced by copies (``dataset``)."""
     from lightning.pytorch.loggers import CSVLogger
-    from matrix_strategy import module_state, optimizer_state, precision_args, trainer_strategy
+    from matrix_options import setting
+    from matrix_strategy import local_state, module_state, optimizer_state, precision_args, trainer_strategy
 
     from ssl_xcit.data.datasets import collate_train
     from ssl_xcit.data.resumable import resumable_loader
     from ssl_xcit.trainer.preemption import Preempted
 
-    if row["compile"] == "aot_eager":  # the graphs inductor would get, made on 2 CPU cores in seconds
-        _aot_eager()
-    fused = row["optimizer"] == "fused" if fused is None else fused
+    if row["compile"] != "off":
+        _compile_backend(row["compile"])
     model = build_model(row, sources, fused)
     rank = int(os.environ.get("RANK", "0"))
-    record = Record(preempt)
+    record, gradients = Record(preempt), Gradients()
     trainer = L.Trainer(
         accelerator=accelerator, devices=world_size, strategy=strategy or trainer_strategy(row, world_size),
         max_epochs=1, logger=CSVLogger(out, name="csv"), log_every_n_steps=50, num_sanity_val_steps=0,
-        enable_model_summary=False, callbacks=[record, *callbacks(out)], default_root_dir=out,
-        **precision_args(row["precision"], accelerator),
+        enable_model_summary=False, callbacks=[record, gradients, *callbacks(out)], default_root_dir=out,
+        **precision_args(row["precision"], accelerator, setting(row, "scaler")),
     )  # fmt: skip
-    data = dataset(data_row or row, world_size, seed=0)
+    data = dataset(data_row or row, world_size, seed=0, duplicate=duplicate)
     loader = resumable_loader(data, batch, collate_train, world_size=world_size, rank=rank, seed=0)
     found = census_module().LoopCensus() if census else None
     stopped = None
@@ -275,6 +343,8 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
     return {
         "state": module_state(model),  # whole tensors: FSDP2's shards gathered
         "optimizer": optimizer_state(trainer.optimizers[0]),
+        "local": local_state(model, trainer.optimizers[0]),  # this rank's own shards (FSDP2) and tensors
+        "gradients": gradients.windows,
         "losses": [None if x is None else float(x) for x in record.losses],
         "scaler_skips": scaler_skips(record.scales),
         "global_step": trainer.global_step,
@@ -309,16 +379,17 @@ def initial_state(row: dict, sources: dict) -> dict[str, torch.Tensor]:
 _COMPILE = torch.compile
 
 
-def _aot_eager() -> None:
-    """``torch.compile`` with the ``aot_eager`` backend. The fits of a launch share dynamo's cache (a new module
-    of a shape compiled before reuses its graphs: ~60 s of compile once, not per fit); the rows' models add
+def _compile_backend(backend: str) -> None:
+    """``torch.compile`` with ``backend`` (``aot_eager``: the graphs inductor would get, made on 2 CPU cores in
+    seconds; ``inductor``: the kernels users get). The fits of a launch share dynamo's cache (a new module of a
+    shape compiled before reuses its graphs: the compile is paid once, not per fit); the rows' models add
     entries, so the recompile limit is raised, and reaching it fails the row instead of running it eager."""
     import torch._dynamo
 
-    def compile_aot_eager(fn=None, **kwargs):
-        return _COMPILE(fn, **{**kwargs, "backend": "aot_eager"})
+    def compile_with_backend(fn=None, **kwargs):
+        return _COMPILE(fn, **{**kwargs, "backend": backend})
 
-    torch.compile = compile_aot_eager
+    torch.compile = compile_with_backend
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
@@ -371,6 +442,9 @@ def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> 
                 runs["concat"] = fit(
                     concat, folder / "concat", 1, accelerator, sources, batch=MICRO * WORLD * k, data_row=row
                 )
+            if readable_copy(row) is None:  # the same run with copies in place of the unreadable images
+                runs["readable"] = fit(row, folder / "readable", 1, accelerator, sources, batch=MICRO * WORLD,
+                                       duplicate=True)  # fmt: skip
             if row["optimizer"] == "fused":  # the same run with torch's default implementation
                 runs["twin"] = fit(
                     row, folder / "twin", 1, accelerator, sources, batch=MICRO * WORLD, fused=False
@@ -398,6 +472,11 @@ def main(out: Path, rows: list[dict], world_size: int, accelerator: str) -> None
     torch.set_num_threads(1)
     sys.path.insert(0, str(HERE))
     from matrix_options import row_id
+
+    if os.environ.get("MATRIX_MUTANT"):  # a seeded defect (mutants.py), in every process of the launch
+        import mutants
+
+        mutants.apply(os.environ["MATRIX_MUTANT"])
 
     for row in rows:
         start = time.perf_counter()

@@ -4,12 +4,13 @@ training options, each run checked for the invariants of ``matrix_checks`` (docs
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import matrix_checks as checks
 import matrix_worker
 import pytest
 import torch
-from matrix import TABLE_AXES, run_matrix
+from matrix import TABLE_AXES, mutant_results, run_matrix
 from matrix_options import (
     AXES,
     FSDP2_AXES,
@@ -21,7 +22,11 @@ from matrix_options import (
     full_design,
     pairwise,
     row_id,
+    setting,
 )
+from mutants import MUTANTS, PRECISIONS
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "invariants.md"
 
 # The default suite's row: issue 42's first silent error (rank 1's last micro-batch of a window unreadable under
 # DDP accumulation: the ranks drift apart), with XCiT's synced BatchNorm and the fused optimiser. The 16-mixed
@@ -80,10 +85,14 @@ def test_compare_fails_a_group_that_moved_apart_and_names_it():
     start = _run({"s": [0.0, 0.0], "t": [0.0, 0.0], "c": 0.0})["state"]
     ref = _run({"s": [1.0, 1.0], "t": [0.5, 0.5], "c": 1.0})
     near = _run({"s": [1.0, 1.0 + 1e-6], "t": [0.5, 0.5], "c": 1.0})
-    assert checks.compare(near, ref, start, 1e-4)[0] == checks.PASS
-    status, detail = checks.compare(_run({"s": [1.0, 1.0], "t": [0.5, 0.6], "c": 1.0}), ref, start, 1e-4)
+    assert checks.compare(near, ref, start, (1e-4, 1e-4))[0] == checks.PASS
+    status, detail = checks.compare(
+        _run({"s": [1.0, 1.0], "t": [0.5, 0.6], "c": 1.0}), ref, start, (1e-4, 1e-4)
+    )
     assert status == checks.FAIL and detail.startswith("teacher")
-    status, detail = checks.compare(_run({"s": [1, 1], "t": [0.5, 0.5], "c": 1}, [2.0]), ref, start, 1e-4)
+    status, detail = checks.compare(
+        _run({"s": [1, 1], "t": [0.5, 0.5], "c": 1}, [2.0]), ref, start, (1e-4, 1e-4)
+    )
     assert status == checks.FAIL and detail.startswith("optimiser")
 
 
@@ -227,3 +236,108 @@ WHOLE_CHECKPOINT_ROWS = [
 def test_fsdp2_whole_checkpoints_resume_distillation_and_gram(tmp_path):
     assert all(r in fsdp2_design() for r in WHOLE_CHECKPOINT_ROWS)
     _assert_no_failure(WHOLE_CHECKPOINT_ROWS, run_matrix(WHOLE_CHECKPOINT_ROWS, tmp_path))
+
+
+def _section(page: str, name: str) -> list[str]:
+    """The Markdown table lines between ``<!-- matrix:NAME -->`` and its end marker."""
+    text = page.split(f"<!-- matrix:{name} -->", 1)[1].split(f"<!-- /matrix:{name} -->", 1)[0]
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+@pytest.mark.parametrize(
+    "section, strategies", [("ddp", ("ddp",)), ("fsdp2+fsdp2_whole", ("fsdp2", "fsdp2_whole"))]
+)
+def test_the_docs_tables_are_the_codes_output(section, strategies):
+    """docs/invariants.md's tables are written by ``matrix.py --docs``: their header is the checks the code runs
+    now, their rows the design's rows, and no cell failed."""
+    lines = _section(DOCS.read_text(), section)
+    assert lines[:2] == checks.header(TABLE_AXES)
+    rows = full_design(strategies)
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [c[: len(TABLE_AXES)] for c in cells] == [[setting(r, a) for a in TABLE_AXES] for r in rows]
+    assert not [c for c in cells if any(x.startswith(checks.FAIL) for x in c)]
+
+
+def test_the_docs_mutant_table_kills_every_mutant_in_every_precision():
+    lines = _section(DOCS.read_text(), "mutants")
+    assert lines[0] == "| mutant | defect | " + " | ".join(PRECISIONS) + " |"
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [c[0] for c in cells] == [f"`{name}`" for name in MUTANTS]
+    for row in cells:
+        assert len(row) == 2 + len(PRECISIONS) and not any(c.startswith("SURVIVED") for c in row[2:]), row
+
+
+@pytest.mark.distributed
+def test_a_seeded_defect_is_killed(tmp_path):
+    """The fast mutant: the window's cross-rank reduction sums instead of averaging (that window's gradient
+    doubled). The weights hid it (the clip caps each gradient's norm); the window's gradients do not."""
+    found = mutant_results(["reduce_divisor"], tmp_path, precisions=("32-true",))
+    ((status, cell),) = found["reduce_divisor"]
+    assert status == "killed" and cell.startswith("2 proc = 1 proc (gradients window 1"), cell
+
+
+@pytest.mark.slow  # ~30 rows
+@pytest.mark.distributed
+def test_every_mutant_is_killed_in_every_precision(tmp_path):
+    found = mutant_results(list(MUTANTS), tmp_path)
+    survived = {name: cells for name, cells in found.items() if any(s == "SURVIVED" for s, _ in cells)}
+    assert not survived, survived
+
+
+def _sharded_run(student: torch.Tensor, center: torch.Tensor, rank: int) -> dict:
+    """A rank's ``full`` run as ``matrix_worker`` records it under FSDP2: its shard of ``student`` (rows split as
+    FSDP2 splits them), the replicated centre, no optimiser state, one window's gradient shard."""
+    shard = checks.shard_of(student, rank, 2)
+    local = {"state": {"student.w": (shard, True), "dino_loss.center": (center, False)}, "optimizer": [{}]}
+    return {"full": {"local": local, "gradients": [{"w": (shard, True)}]}}
+
+
+def test_fsdp2_ranks_equal_compares_each_ranks_own_shards_with_one_process():
+    """The gathered whole state is the same all-gathered copy on both ranks by construction, so comparing it
+    proved nothing (issue 50). Each rank's shard is compared with the same slice of the 1-process run, and the
+    replicated tensors between the ranks."""
+    start = {"student.w": torch.zeros(5, 2), "dino_loss.center": torch.zeros(3)}
+    single_w, center = torch.arange(10.0).reshape(5, 2), torch.ones(3)
+    single = {"state": {"student.w": single_w, "dino_loss.center": center}, "optimizer": [{}],
+              "gradients": [{"w": (single_w, False)}]}  # fmt: skip
+    tol = checks.tolerance({"optimizer": "foreach", "precision": "32-true"})
+    two = [_sharded_run(single_w, center, r) for r in range(2)]
+    assert checks.local_ranks_equal(two, single, start, tol, per_rank=False) == (checks.PASS, "")
+    stale = single_w.clone()
+    stale[3:] = 0  # rank 1's rows never moved (its EMA, say, did not run)
+    two[1] = _sharded_run(stale, center, 1)
+    status, detail = checks.local_ranks_equal(two, single, start, tol, per_rank=False)
+    assert status == checks.FAIL and detail.startswith("rank 1's shards against 1 process"), detail
+    two = [_sharded_run(single_w, center, 0), _sharded_run(single_w, center + 1e-7, 1)]
+    status, detail = checks.local_ranks_equal(two, single, start, tol, per_rank=True)
+    assert status == checks.FAIL and detail.startswith("replicated: 1 tensors"), detail
+
+
+def test_window_gradients_catch_a_doubled_window_and_accept_a_shared_overflow():
+    window = {"w": (torch.tensor([3.0, 4.0]), False)}
+    doubled = {"w": (torch.tensor([6.0, 8.0]), False)}
+    overflow = {"w": (torch.tensor([float("inf"), 1.0]), False)}
+    assert checks.compare_gradients([window], [window], 1e-4)[0] == checks.PASS
+    assert checks.compare_gradients([window, doubled], [window, window], 1e-1) == (
+        checks.FAIL, "gradients window 1 1.0e+00",
+    )  # fmt: skip
+    assert checks.compare_gradients([overflow, window], [overflow, window], 1e-4)[0] == checks.PASS
+    assert checks.compare_gradients([overflow], [window], 1e-4)[0] == checks.FAIL
+    # Windows past GRADIENT_WINDOWS are left to the weights' check.
+    late = [window] * checks.GRADIENT_WINDOWS + [doubled]
+    assert checks.compare_gradients(late, [window] * len(late), 1e-4)[0] == checks.PASS
+
+
+@pytest.mark.slow  # ~1 minute
+@pytest.mark.distributed
+def test_fsdp2_ranks_equal_catches_an_ema_on_one_rank(tmp_path):
+    """Under FSDP2 the EMA updates each rank's own teacher shards: run on rank 0 only, rank 1's shards stay put.
+    Gathered whole, both ranks held the same half-moved copy and ``ranks equal`` passed."""
+    from mutants import environment
+
+    row = {**FAST_ROW, "accumulate": "1", "unreadable": "none", "optimizer": "foreach", "strategy": "fsdp2"}
+    assert row in fsdp2_design()
+    with environment("ema_one_rank"):
+        (result,) = run_matrix([row], tmp_path)
+    status, detail = result["ranks equal"]
+    assert status == checks.FAIL and detail.startswith("rank 1's shards against 1 process: teacher"), detail
