@@ -1,91 +1,179 @@
-"""Host syncs per training step, for ``gpu_check.py``: a Lightning callback counting, from one batch end to the
-next (loading, transfer, device augmentation, the step, logging), every call that makes the host wait for the
-device.
+"""Host syncs per training step, for ``gpu_check.py``: a Lightning callback counting, in each iteration of
+Lightning's training epoch loop, every call that makes the host wait for the device, with its site.
 
-On CUDA it uses torch's own detector, ``torch.cuda.set_sync_debug_mode("warn")``, and counts its warnings. A
-CPU has no device to wait for; there it counts, through a ``TorchDispatchMode``, the operators that would
-synchronise if their tensors were on CUDA (a scalar read such as ``.item()``/``float()``/``bool()``, and the
-operators whose output shape depends on the data: ``nonzero``, boolean-mask indexing, ``masked_select``...).
-That proxy cannot tell the tensors that stay on the host on a GPU run (the loader's, the RNG draws, the
-optimiser's step counters) from the device's, and misses host copies (``.cpu()``): an upper bound, which
-``gpu_check.py`` reports as such, never as a pass.
+A step's window is the loop's own iteration, as the loop census's (``tests/dino/loop_census.py``): from the start
+of ``_TrainingEpochLoop.advance`` (the batch's fetch, its transfer and device augmentation, the step, the batch-end
+hooks, then the logging Lightning does after them) to the start of the next. A window from one batch end to the
+next would count a step's own read (``sync_every_n_steps``, inside the step) in one window and the logging of the
+same step (after the batch-end hooks) in the next: 3 reading steps in 12 counted as 6 syncing ones (issue 51).
+
+On CUDA it uses torch's own detector, ``torch.cuda.set_sync_debug_mode("warn")``, and takes the Python stack of
+each of its warnings: the site is the innermost frame of ssl_xcit or Lightning (else the innermost one outside
+torch and the warnings machinery), ``file:line (function)``. A CPU has no device to wait for; there the loop census
+counts the calls that would sync on CUDA (scalar reads, copies to the host, blocking copies to the device,
+data-dependent shapes; host tensors told from the device's), by the same windows and with the same kind of site.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import traceback
 import warnings
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-# Operators that make the host wait on CUDA: a scalar read, or an output whose size depends on the values.
-SYNCING_OPS = {
-    "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim",
-    "aten::unique_consecutive", "aten::equal", "aten::repeat_interleave", "aten::nonzero_static",
-}  # fmt: skip
+REPO = Path(__file__).resolve().parents[1]
+CENSUS = REPO / "tests" / "dino" / "loop_census.py"
 SYNC_WARNING = "called a synchronizing CUDA operation"
+_OURS = ("ssl_xcit/", "lightning/")
+# Frames that only carry the warning or wrap the call: the warnings machinery, this file, torch's Python wrappers.
+_CARRIERS = ("/warnings.py", "/sync_count.py", "torch/_tensor.py", "torch/overrides.py", "torch/_compile.py")
 
 
-class _CountSyncingOps(TorchDispatchMode):
+def _path(filename: str) -> str:
+    return filename.replace("\\", "/")
+
+
+def short(filename: str) -> str:
+    """``ssl_xcit/...``, ``lightning/...``, ``torch/...``: the path from the package's folder."""
+    path = _path(filename)
+    for root in ("/ssl_xcit/", "site-packages/", "/tests/", "/benchmarks/"):
+        if root in path:
+            tail = path.rsplit(root, 1)[1]
+            return tail if root == "site-packages/" else root.strip("/") + "/" + tail
+    return Path(path).name
+
+
+def site_of(frames: list[traceback.FrameSummary]) -> str:
+    """``file:line (function)`` of the innermost ssl_xcit or Lightning frame of a stack (outermost first), else of
+    its innermost frame outside the warnings machinery, torch's wrappers and this file."""
+    frames = [f for f in frames if not any(c in _path(f.filename) for c in _CARRIERS)]
+    if not frames:
+        return "?"
+    ours = next((f for f in reversed(frames) if any(o in _path(f.filename) for o in _OURS)), frames[-1])
+    return f"{short(ours.filename)}:{ours.lineno} ({ours.name})"
+
+
+def _load_census() -> Any:
+    """``tests/dino/loop_census.py`` (the module the census test and the invariant matrix use)."""
+    if "loop_census" in sys.modules:
+        return sys.modules["loop_census"]
+    spec = importlib.util.spec_from_file_location("loop_census", CENSUS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["loop_census"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def each_iteration(loop: Any, start: Any):
+    """Calls ``start(batch_idx)`` at the start of each ``advance`` of Lightning's training epoch ``loop``."""
+
+    def advance(*args: Any, **kwargs: Any) -> Any:
+        start(loop.batch_idx + 1)  # the index of the batch this iteration fetches
+        return original(*args, **kwargs)
+
+    original = loop.advance
+    loop.advance = advance  # the loop calls self.advance: this instance's own attribute comes first
+    try:
+        yield
+    finally:
+        del loop.advance
+
+
+class CudaSyncs:
+    """``torch.cuda.set_sync_debug_mode("warn")`` while active; each of its warnings becomes a site in
+    ``found`` (a list the caller swaps per window, or None to drop them). Other warnings go on as before."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.ops: dict[str, int] = {}
+        self.found: list[str] | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name in SYNCING_OPS and not (
-            name == "aten::repeat_interleave" and (kwargs or {}).get("output_size")
-        ):
-            self.count += 1
-            self.ops[name] = self.ops.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+    @contextmanager
+    def active(self):
+        with warnings.catch_warnings():
+            shown = warnings.showwarning
+            warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
+
+            def showwarning(message, category, filename, lineno, file=None, line=None):
+                if SYNC_WARNING not in str(message):
+                    return shown(message, category, filename, lineno, file, line)
+                if self.found is not None:
+                    self.found.append(site_of(traceback.extract_stack()[:-1]))
+                return None
+
+            warnings.showwarning = showwarning
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield self
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
 
 
 class SyncCounter(L.Callback):
-    """Syncs in each step after the first ``skip`` (warm-up: compilation, first allocations): ``per_step``."""
+    """Syncs in each iteration of the training epoch loop: ``windows`` (``batch_idx`` and the ``found`` sites),
+    ``per_step`` (their counts after the first ``skip`` iterations: compilation, first allocations).
+    ``detector``: ``cuda`` (the sync debug mode) or ``census``; None: by the module's device."""
 
-    def __init__(self, skip: int = 2) -> None:
-        self.skip = skip
-        self.per_step: list[int] = []
-        self.ops: dict[str, int] = {}
+    def __init__(self, skip: int = 2, detector: str | None = None) -> None:
+        self.skip, self.detector = skip, detector
+        self.windows: list[dict[str, Any]] = []
         self.method = ""
-        self._active: Any = None
+        self._stack: ExitStack | None = None
+        self._census: Any = None
+        self._cuda: CudaSyncs | None = None
 
-    def _start(self, device: torch.device) -> None:
-        if device.type == "cuda":
+    @property
+    def per_step(self) -> list[int]:
+        return [len(w["found"]) for w in self.steps()]
+
+    def steps(self) -> list[dict[str, Any]]:
+        """The windows after the first ``skip``."""
+        return [w for w in self.windows if w["batch_idx"] >= self.skip]
+
+    def _start_window(self, batch_idx: int) -> None:
+        window = {"batch_idx": batch_idx, "found": []}
+        self.windows.append(window)
+        self._cuda.found = window["found"] if batch_idx >= self.skip else None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.windows, stack = [], ExitStack()
+        self._stack = stack
+        if (self.detector or ("cuda" if pl_module.device.type == "cuda" else "census")) == "cuda":
             self.method = "CUDA sync debug mode"
-            self._catch = warnings.catch_warnings(record=True)
-            self._records = self._catch.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            self._active = "cuda"
+            self._cuda = stack.enter_context(CudaSyncs().active())
+            stack.enter_context(each_iteration(trainer.fit_loop.epoch_loop, self._start_window))
         else:
-            self.method = "CPU proxy (upper bound)"
-            self._active = _CountSyncingOps()
-            self._active.__enter__()
+            self.method = "CPU census"
+            self._census = _load_census().LoopCensus()
+            stack.enter_context(self._census.installed())
 
-    def _stop(self) -> int:
-        if self._active == "cuda":
-            torch.cuda.set_sync_debug_mode(0)
-            count = sum(SYNC_WARNING in str(w.message) for w in self._records)
-            self._catch.__exit__(None, None, None)
-        else:
-            self._active.__exit__(None, None, None)
-            count = self._active.count
-            for name, n in self._active.ops.items():
-                self.ops[name] = self.ops.get(name, 0) + n
-        self._active = None
-        return count
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._active is not None:
-            self.per_step.append(self._stop())
-        if batch_idx + 1 >= self.skip:
-            self._start(pl_module.device)
+    def _stop(self) -> None:
+        if self._stack is None:
+            return
+        self._stack.close()
+        self._stack = None
+        if self._census is not None:
+            # A census site is "inner <- ssl_xcit/lightning frame" (or the inner one alone): the latter, as on CUDA.
+            self.windows = [
+                {"batch_idx": w["batch_idx"], "found": [site.split(" <- ")[-1] for _, site in w["found"]]}
+                for w in self._census.windows
+            ]
+        elif self._cuda is not None:
+            self._cuda.found = None
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._active is not None:  # a window left open after the last step: not a whole step
-            self._stop()
+        self._stop()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._stop()
+
+
+def sites(windows: list[dict[str, Any]]) -> Counter:
+    """How often each site synced in ``windows``, the line only (``file:line``)."""
+    return Counter(site.split(" (")[0] for w in windows for site in w["found"])

@@ -15,8 +15,8 @@ import torch
 def host_to_device(value: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """``value`` (a host array or CPU tensor) on ``device``, queued without a host sync on CUDA."""
     tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
-    if device.type == "cpu":
-        return tensor
+    # On the CPU `to` returns the tensor itself; called there too, so the CPU runs the GPU's path (the loop
+    # census, tests/dino/loop_census.py, tells a host tensor from a device one by that call).
     if device.type == "cuda" and torch.cuda.is_available():
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)

@@ -163,12 +163,6 @@ class _Dispatch(TorchDispatchMode):
         return out
 
 
-def _device_target(args: tuple, kwargs: dict) -> bool:
-    if "device" in kwargs and kwargs["device"] is not None:
-        return True
-    return any(isinstance(a, (str, torch.device)) for a in args)
-
-
 def _names_a_device(device: Any) -> bool:
     """A ``device=`` that may be an accelerator: any ``torch.device`` (``x.device`` is one on a GPU run), a device
     string or index other than the CPU's (``"cuda"``, ``"cuda:0"``, ``0``)."""
@@ -231,7 +225,7 @@ class _Function(TorchFunctionMode):
 
     def _copy(self, func, name: str, tensor: torch.Tensor, args: tuple, kwargs: dict):
         census = self.census
-        target = "host" if name == "cpu" else "device" if name == "cuda" else _to_target(census, args[1:], kwargs)
+        target = {"cpu": "host", "cuda": "device"}.get(name) or _to_target(census, args[1:], kwargs)
         host = census.is_host(tensor) if target is not None else False
         blocking = _blocking(args, kwargs)
         if census.counting() and target == "host" and not host and blocking:
@@ -383,7 +377,8 @@ class LoopCensus:
                     moved = original(strategy, batch, *args, **kwargs)
                 finally:
                     census.in_transfer = False
-                for tensor in _tensors(moved):  # on the device now, even where the CPU returned the same tensor
+                # On the device now, even where this CPU returned the same tensors.
+                for tensor in _tensors(moved):
                     census.discard_host(tensor)
                 return moved
 

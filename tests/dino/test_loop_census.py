@@ -42,6 +42,8 @@ def check(windows: list[dict], label: str, precision: str = "32-true") -> None:
     marked = [w for w in windows if "sync" in w["marks"]]
     assert len(steady) >= STEPS // 2 and len(marked) == STEPS // 4, [w["marks"] for w in windows]
     check_steady(windows, ALLOWANCE[precision], WARMUP, label=f"{label}, {precision}")
+    # augment_on=device as on a GPU: every batch cut and augmented in its transfer (the census's count).
+    assert all(w["device_augment"] >= 1 for w in windows), [w["device_augment"] for w in windows]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +70,49 @@ def test_census_counts_a_tensor_made_on_a_device_named_by_a_string():
         for device in ("meta", torch.device("meta"), "cpu"):
             torch.tensor([1.0], device=device)
     assert [kind for kind, _ in census._window["found"]] == ["copy", "copy"]
+
+
+# What CUDA's sync debug mode reports, each case once, and the host's own work (tensors made without a device,
+# copies to the host, what operators make of them) not at all. `device` is a tensor the census did not see made:
+# the device's, as is every tensor `.to(device)` gives (on this CPU the same tensor).
+SYNC_CASES = {
+    "item": (lambda device: device.sum().item(), ["read"]),
+    "bool": (lambda device: bool(device.sum() > 0), ["read"]),
+    "cpu then tolist": (lambda device: device.cpu().tolist(), ["read"]),
+    "to cpu by name": (lambda device: device.to("cpu").numpy(), ["read"]),
+    "to cpu, non-blocking": (lambda device: device.to("cpu", non_blocking=True), []),
+    "tolist": (lambda device: device.tolist(), ["read"]),
+    "nonzero": (lambda device: device.nonzero(), ["shape"]),
+    "boolean mask": (lambda device: device[device > 0], ["shape"]),
+    "repeat_interleave of a tensor": (lambda device: device.repeat_interleave(device.long()), ["shape"]),
+    "repeat_interleave of an int": (lambda device: device.repeat_interleave(3, dim=0), []),
+    "host tensor to device": (lambda device: torch.zeros(3).to(device.device), ["copy"]),
+    "host tensor to device, non-blocking": (
+        lambda device: torch.ones(3).to(device.device, non_blocking=True).sum().item(),
+        ["read"],  # the copy is queued; reading its result back waits
+    ),
+    "copy into a device tensor": (lambda device: device.copy_(torch.ones(4)), ["copy"]),
+    "host indices": (lambda device: device[torch.tensor([0, 1])], ["copy"]),
+    "device indices": (lambda device: device[device.long().clamp(0, 3)], []),
+    "tensor on a device": (lambda device: torch.tensor([1.0], device=device.device), ["copy"]),
+    "new_tensor": (lambda device: device.new_tensor([1.0, 2.0]), ["copy"]),
+    "full on a device": (lambda device: torch.full((2,), 3.0, device=device.device), []),
+    "host work": (lambda device: torch.arange(4).float().mul(2).sum().item(), []),
+    "host scalar with a device tensor": (lambda device: device * torch.tensor(2.0), []),
+}
+
+
+@pytest.mark.parametrize("case", SYNC_CASES)
+def test_census_counts_what_cuda_would_wait_for(case):
+    from loop_census import LoopCensus, _Dispatch, _Function
+
+    fn, expected = SYNC_CASES[case]
+    census = LoopCensus()
+    census._window = {"epoch": 0, "batch_idx": 0, "global_step": 0, "marks": [], "found": []}
+    device = torch.rand(4)
+    with _Dispatch(census), _Function(census):
+        fn(device)
+    assert [kind for kind, _ in census._window["found"]] == expected, census._window["found"]
 
 
 @pytest.mark.slow
