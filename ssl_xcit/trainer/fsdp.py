@@ -102,7 +102,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         module's extra state (the Gram teacher's taken/refresh record)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_dir():
-            return super().load_checkpoint(path, weights_only=weights_only)
+            return self._load_sharded(path, weights_only)
         from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -110,11 +110,55 @@ class FSDP2Strategy(ModelParallelStrategy):
         module = self.lightning_module
         strict = module.strict_loading
         load_whole_state(module, checkpoint.pop("state_dict"), strict=strict)
-        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
+        # The optimiser's state is not strict: a parameter that never had a gradient has none (the head's last
+        # layer in its freeze epoch, the backbone in init_from's warm-up), and starts fresh on resume, as torch's
+        # own Optimizer.load_state_dict does; the weights above load strictly.
+        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=False)
         for index, optimizer in enumerate(self.optimizers):
             state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][index], self.model)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
+
+    def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's load of a sharded folder (``ModelParallelStrategy.load_checkpoint``), with each
+        optimiser given state for exactly the parameters the folder holds state for. Lightning reads the
+        folder for the keys of ``get_optimizer_state_dict``, which first gives a fresh optimiser state for every
+        trainable parameter (a zero-gradient step at lr 0), and then loads strictly: a parameter that had no
+        state when the folder was written (the head's last layer in DINO's freeze epoch, the backbone in
+        init_from's warm-up: no gradient yet) was a missing key, and the resume failed. Such a parameter starts
+        fresh, as torch's own ``Optimizer.load_state_dict`` leaves it; the weights load as strictly as before."""
+        from lightning.fabric.strategies.model_parallel import (
+            _METADATA_FILENAME,
+            _distributed_checkpoint_load,
+        )
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            _init_optim_state,  # what get_optimizer_state_dict runs on an optimiser without state
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = self.model
+        state = {"state_dict": get_model_state_dict(module)}
+        _distributed_checkpoint_load(state, path)
+        module.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        saved = {key.split(".state.", 1)[1].rsplit(".", 1)[0] for key in
+                 FileSystemReader(str(path)).read_metadata().state_dict_metadata if ".state." in key}  # fmt: skip
+        names = {id(p): n for n, p in module.named_parameters()}
+        for index, optimizer in enumerate(self.optimizers):
+            _init_optim_state(optimizer)
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if names.get(id(param)) not in saved:
+                        optimizer.state.pop(param, None)
+            key = f"optimizer_{index}"
+            optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+            _distributed_checkpoint_load(optim_state, path)
+            options = StateDictOptions(cpu_offload=True, strict=False)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key], options=options)
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # A network that ran a forward with no backward since (the EMA teacher, a validation pass) keeps its

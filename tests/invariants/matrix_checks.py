@@ -88,15 +88,21 @@ def _norm(tensors: list[torch.Tensor]) -> float:
 
 
 def compare(
-    a: dict, b: dict, start: dict[str, torch.Tensor], tol: tuple[float, float], exclude: tuple[str, ...] = ()
+    a: dict,
+    b: dict,
+    start: dict[str, torch.Tensor],
+    tol: tuple[float, float],
+    exclude: tuple[str, ...] = (),
+    world: int = 1,
 ) -> tuple[str, str]:
     """``a`` and ``b`` (runs' results) within ``tol[0]`` of ``b``'s movement from ``start``, group by group,
     the optimiser state (from zero) included, and the first windows' gradients within ``tol[1]``
     (``compare_gradients``) where both runs recorded them; the detail names the worst group. ``exclude``:
-    groups left out. ``tol``: ``tolerance(row)``."""
+    groups left out. ``tol``: ``tolerance(row)``. ``world``: ``a`` is rank 0 of that many FSDP2 processes (its
+    gradients are shards) and ``b`` a 1-process run."""
     gradients = (PASS, "")
     if "gradients" in a and "gradients" in b:
-        gradients = compare_gradients(a["gradients"], b["gradients"], tol[1])
+        gradients = compare_gradients(a["gradients"], b["gradients"], tol[1], 0, world)
     weights = _compare_states(a, b, start, tol[0], exclude)
     return gradients if gradients[0] == FAIL else weights
 
@@ -160,7 +166,7 @@ def compare_gradients(
             continue
         diff = ref = 0.0
         for name, (mine, sharded) in x.items():
-            theirs = shard_of(y[name][0], rank, world) if sharded and not y[name][1] else y[name][0]
+            theirs = shard_of(y[name][0], rank, world) if sharded and world > 1 else y[name][0]
             if mine.shape != theirs.shape:
                 return FAIL, f"gradients: {name} is {tuple(mine.shape)} against {tuple(theirs.shape)}"
             diff += float((mine.double() - theirs.double()).pow(2).sum())
@@ -259,7 +265,8 @@ def check_row(
         if row["objective"] in PER_RANK:
             result["2 proc = 1 proc"] = (NA, PER_RANK[row["objective"]])
         else:
-            result["2 proc = 1 proc"] = compare(full[0], one["single"], start, rtol)
+            world = 1 if strategy(row) == "ddp" else len(full)  # FSDP2: rank 0's gradient shards
+            result["2 proc = 1 proc"] = compare(full[0], one["single"], start, rtol, world=world)
         if any("resumed" not in r for r in two):
             result["resume = uninterrupted"] = (FAIL, "no pre-emption checkpoint was written")
         else:
