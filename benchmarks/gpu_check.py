@@ -5,37 +5,55 @@ bf16-true's teacher movement against 32-true's (DINO refuses bf16-true: the row 
 KoLeo's neighbours under bf16 autocast against float64's; compile on and off; iBOT on and off (and both on:
 compile must cover the masked pass); ``augment_on`` cpu and device; host syncs per step (``sync_count.py``),
 with the recipe's progress bar off and on, and under 16-mixed with the toolkit's default optimiser for it;
-the throughput benchmark; the invariant matrix's CUDA rows (``MATRIX_ROWS``: ``gpu_check_matrix.py``); with 2 or
-more GPUs a 2-process NCCL run whose teacher must equal the 1-process run's (``gpu_check_ddp.py``); FSDP2 on
-NCCL (``gpu_check_fsdp2.py``: 1 process, and 2 with 2 GPUs, equal to the 1-process run; bf16-mixed's dtypes;
-a sharded checkpoint resumed bit for bit). Rows with
-the same settings share one run; with 2 GPUs also DDP + compile and DDP with 2 accumulated micro-batches, each
-against its 1-process run. A row passes when its run ends with the steps asked for and finite weights
-and loss (and its own condition where it has one). Exit status 1 when any row fails.
+images/s and MFU of the DINO step for XCiT-S12/16 and ViT-B/16 at two batch sizes, compile off and on, with
+the first step's seconds (``gpu_check_throughput.py``); ``ssl-xcit plan`` against the measured peak memory
+for four recipes and one FSDP2 configuration (``gpu_check_memory.py``); the invariant matrix's CUDA rows
+(``gpu_check_matrix.py``); with 2 or more GPUs a 2-process NCCL run whose teacher must equal the 1-process
+run's (``gpu_check_ddp.py``); FSDP2 on NCCL (``gpu_check_fsdp2.py``: 1 process, and 2 with 2 GPUs, equal to
+the 1-process run; bf16-mixed's dtypes; a sharded checkpoint resumed bit for bit against a reference that is
+itself run twice). Rows with the same settings share one run; with 2 GPUs also DDP + compile and DDP with 2
+accumulated micro-batches, each against its 1-process run. A row passes when its run ends with the steps
+asked for and finite weights and loss (and its own condition where it has one).
+
+Time: each section has a budget (``SECTIONS``, seconds on one GPU, printed with the section); a section past
+it is stopped (the row running then and every row after it are ``not run: budget``), and the whole check stops
+at ``--max-seconds`` (470, and the start-up: 8 minutes; later sections are not run). Every row is printed as
+it finishes and appended to ``--json`` (JSON Lines, default ``<--out>/rows.jsonl``: a ``start`` record, one
+``row`` record per row, an ``end`` record), so a killed run leaves every finished row. ``--peer`` adds the
+comparison with lightly's DINO (``bench_throughput.py``; section ``peer``, not in the default set). Exit
+status 1 when a row fails, 3 when none failed but some were not run for lack of time.
 
 ``--dry-run`` runs the same rows on the CPU at tiny size (a 1-block model, 32/16 px crops, 2 steps, base
-precision 32-true; 16-mixed runs with Lightning's CPU autocast); the sync row
-runs its counter with the CPU proxy of ``sync_count.py`` but reports n/a (a CPU has nothing to wait for); the
-2-process row uses gloo. ``--only NAME,...`` runs a subset of the sections (``--only precision,sync``; see
-``SECTIONS``).
+precision 32-true; 16-mixed runs with Lightning's CPU autocast), with every budget and ``--max-seconds``
+multiplied by ``--budget-scale`` (50 there: inductor compiles for minutes on a shared CPU; 1 on a GPU); the
+sync row runs its counter with the CPU proxy of ``sync_count.py`` but reports n/a (a CPU has nothing to wait
+for); the 2-process rows use gloo; throughput and memory figures are a CPU's (MFU n.a.). ``--only NAME,...``
+runs a subset of the sections (``--only precision,sync``; see ``SECTIONS``); ``--budgets NAME=S,...`` sets
+sections' budgets (seconds before scaling).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import functools
+import gc
 import importlib.util
+import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TextIO
 
 import torch
 
@@ -49,7 +67,78 @@ class Row:
     name: str
     setting: str
     result: str
-    status: str  # pass | fail | skip
+    status: str  # pass | fail | skip | not run
+
+
+@dataclass
+class Planned:
+    """A row before it runs: its name and setting (those of its ``not run`` row if the budget ends first) and
+    what makes it."""
+
+    name: str
+    setting: str
+    make: Callable[[], Row]
+
+
+class BudgetExceeded(BaseException):
+    """A section's time is up (raised by the alarm; a BaseException, so that no ``except Exception`` of a row or
+    of the code it runs turns it into a failed row)."""
+
+
+@contextlib.contextmanager
+def budget_alarm(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`BudgetExceeded` in this (the main) thread after ``seconds``; None: no limit."""
+    if seconds is None:
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise BudgetExceeded
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def _alarm_held() -> Iterator[None]:
+    """The alarm waits while a record is written (a row's JSON line is never cut in half); nested holds end with
+    the outermost."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+class Recorder:
+    """Each row as it finishes: one line on ``out`` (the real stdout) and one JSON record appended to
+    ``path``, flushed to disk before the next row starts."""
+
+    def __init__(self, path: Path, out: TextIO) -> None:
+        self.path, self.out = path, out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+
+    def record(self, kind: str, **fields: Any) -> None:
+        with _alarm_held(), self.path.open("a") as f:
+            f.write(json.dumps({"kind": kind, "time": datetime.datetime.now().isoformat(timespec="seconds"),
+                                **fields}) + "\n")  # fmt: skip
+            f.flush()
+            os.fsync(f.fileno())
+
+    def say(self, line: str) -> None:
+        with _alarm_held():
+            print(line, file=self.out, flush=True)
+
+    def row(self, section: str, row: Row, seconds: float) -> None:
+        self.record("row", section=section, check=row.name, setting=row.setting, result=row.result,
+                    status=row.status, seconds=round(seconds, 2))  # fmt: skip
+        self.say(f"  {row.status:7s} {row.name} | {row.setting} | {row.result} ({seconds:.0f} s)")
 
 
 def _load(name: str):
@@ -110,6 +199,8 @@ class Check:
         start = time.perf_counter()
         try:
             cli = cli_main(argv)
+        except BudgetExceeded:
+            raise
         except BaseException as err:  # one failed run is one failed row, never the end of the table
             row = Row(
                 "", "", f"{type(err).__name__}: {str(err).splitlines()[0][:90] if str(err) else ''}", "fail"
@@ -129,14 +220,17 @@ class Check:
         return row
 
 
-def precision_rows(check: Check) -> list[Row]:
-    rows = []  # bf16-true is refused by DINO: its row is teacher_row's
+def precision_plan(check: Check) -> list[Planned]:
+    planned = []  # bf16-true is refused by DINO: its row is teacher_row's
     for precision in ("16-mixed", "bf16-mixed", *(("32-true",) if check.dry else ())):
-        rows.append(_named(check.fit(f"--trainer.precision={precision}"), "quickstart", precision))
-    return rows
+        make = functools.partial(
+            _named_fit, check, "quickstart", precision, f"--trainer.precision={precision}"
+        )
+        planned.append(Planned("quickstart", precision, make))
+    return planned
 
 
-def option_rows(check: Check, name: str) -> list[Row]:
+def option_plan(check: Check, name: str) -> list[Planned]:
     """``name`` off and on at the base precision (the off run is the base run, shared)."""
     p = f"--trainer.precision={check.base_precision}"
     ibot, compile_ = "--model.init_args.ibot_loss_weight=1.0", "--model.init_args.compile=true"
@@ -145,7 +239,15 @@ def option_rows(check: Check, name: str) -> list[Row]:
         "ibot": [("off", [p]), ("on", [p, ibot]), ("on + compile", [p, ibot, compile_])],
         "augment_on": [("cpu", [p, "--data.init_args.augment_on=cpu"]), ("device", [p])],
     }[name]
-    return [_named(check.fit(*extra), name, f"{value} ({check.base_precision})") for value, extra in runs]
+    planned = []
+    for value, extra in runs:
+        setting = f"{value} ({check.base_precision})"
+        planned.append(Planned(name, setting, functools.partial(_named_fit, check, name, setting, *extra)))
+    return planned
+
+
+def _named_fit(check: Check, name: str, setting: str, *extra: str) -> Row:
+    return _named(check.fit(*extra), name, setting)
 
 
 def _named(row: Row, name: str, setting: str) -> Row:
@@ -308,9 +410,18 @@ def launch(script: Path, world: int, *args: str) -> str | None:
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
                f"--master_port={port}", str(script)]  # fmt: skip
-    proc = subprocess.run([*cmd, *args], env=worker_env(), capture_output=True, text=True, timeout=600)
+    # Its own session: a budget's end (or any other interruption) kills torchrun and its workers together.
+    proc = subprocess.Popen([*cmd, *args], env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or ["(no output)"]
+        lines = stderr.strip().splitlines() or ["(no output)"]
         return lines[-1][:90]
     return None
 
@@ -373,59 +484,177 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def matrix_rows(check: Check) -> list[Row]:
-    """The invariant matrix's CUDA subset (NCCL with 2 or more GPUs): each function in ``MATRIX_ROWS`` takes the
-    ``Check`` and returns its rows (``gpu_check_matrix.py``: tests/invariants' mixed-precision rows)."""
-    return [row for make in MATRIX_ROWS for row in make(check)]
+@dataclass
+class Section:
+    """A section: its rows (planned before any runs) and its time budget in seconds on one GPU."""
+
+    budget: float
+    plan: Callable[[Check], list[Planned]]
 
 
-MATRIX_ROWS: list[Callable[[Check], list[Row]]] = [lambda c: _load("gpu_check_matrix").matrix_rows(c)]
+def _one(name: str, make: Callable[[Check], Row], setting: str = "") -> Callable[[Check], list[Planned]]:
+    return lambda c: [Planned(name, setting, functools.partial(make, c))]
 
-SECTIONS: dict[str, Callable[[Check], list[Row]]] = {
-    "precision": precision_rows,
-    "compile": lambda c: option_rows(c, "compile"),
-    "ibot": lambda c: option_rows(c, "ibot"),
-    "augment": lambda c: option_rows(c, "augment_on"),
-    "numerics": lambda c: [teacher_row(c), koleo_row(c)],
-    "sync": lambda c: [sync_row(c), sync_row(c, progress_bar=True)],
-    "sync_fp16": lambda c: [sync_row(c, precision="16-mixed")],
-    "throughput": lambda c: [throughput_row(c)],
-    "ddp": lambda c: [ddp_row(c)],
-    "ddp_compile": lambda c: [ddp_row(c, "compile")],
-    "ddp_accumulate": lambda c: [ddp_row(c, "accumulate")],
-    "matrix": matrix_rows,
-    "fsdp2": lambda c: _load("gpu_check_fsdp2").rows(c),
-}
+
+def _sync_plan(check: Check, *variants: dict) -> list[Planned]:
+    """``sync_row``'s rows, one per keyword set (named as sync_row names them)."""
+    planned = []
+    for kw in variants:
+        name = "host syncs per step" + (" (progress bar on)" if kw.get("progress_bar") else "")
+        name += f" ({kw['precision']})" if "precision" in kw else ""
+        planned.append(Planned(name, "quickstart", functools.partial(sync_row, check, **kw)))
+    return planned
+
+
+def _ddp_plan(mode: str) -> Callable[[Check], list[Planned]]:
+    return _one(DDP_ROWS[mode][0], lambda c: ddp_row(c, mode))
+
+
+# The budgets (seconds on one GPU, first estimates: the first GPU run, issue 51, found the augment, iBOT and
+# compile rows together past 150 s) add up to 460 s with the n/a DDP rows of one GPU taking none.
+SECTIONS: dict[str, Section] = {
+    "precision": Section(40, precision_plan),
+    "compile": Section(45, lambda c: option_plan(c, "compile")),
+    "ibot": Section(50, lambda c: option_plan(c, "ibot")),
+    "augment": Section(15, lambda c: option_plan(c, "augment_on")),
+    "numerics": Section(10, lambda c: [Planned("teacher in bf16-true", "", functools.partial(teacher_row, c)),
+                                       Planned("koleo under bf16-mixed", "", functools.partial(koleo_row, c))]),
+    "sync": Section(20, lambda c: _sync_plan(c, {}, {"progress_bar": True})),
+    "sync_fp16": Section(15, lambda c: _sync_plan(c, {"precision": "16-mixed"})),
+    "throughput": Section(150, lambda c: _load("gpu_check_throughput").planned(c)),
+    "memory": Section(40, lambda c: _load("gpu_check_memory").planned(c)),
+    "ddp": Section(30, _ddp_plan("plain")),
+    "ddp_compile": Section(60, _ddp_plan("compile")),
+    "ddp_accumulate": Section(30, _ddp_plan("accumulate")),
+    "matrix": Section(25, lambda c: _load("gpu_check_matrix").planned(c)),
+    "fsdp2": Section(50, lambda c: _load("gpu_check_fsdp2").planned(c)),
+    "peer": Section(60, _one("throughput", throughput_row)),
+}  # fmt: skip
+DEFAULT_SECTIONS = [name for name in SECTIONS if name != "peer"]  # --peer adds it
+MAX_SECONDS = 470.0  # from the start of main(); importing torch and Lightning comes before
+
+
+def run_section(name: str, check: Check, budget: float, recorder: Recorder, limit: str = "") -> list[Row]:
+    """The section's rows, each recorded as it finishes; past ``budget`` seconds the running row and the rest
+    are ``not run`` (``limit``, when given, says the whole check's time is what ran out). A section that cannot
+    even plan its rows is one failed row."""
+    rows: list[Row] = []
+    planned: list[Planned] | None = None
+    started = time.perf_counter()
+    recorder.say(f"section {name}: budget {_secs(budget)} s{f' ({limit})' if limit else ''}")
+    try:
+        if budget <= 0:  # nothing left: the rows' names only
+            planned = SECTIONS[name].plan(check)
+            raise BudgetExceeded
+        with budget_alarm(budget), contextlib.redirect_stdout(sys.stderr):  # stdout: the rows alone
+            planned = SECTIONS[name].plan(check)
+            for item in planned:
+                begun = time.perf_counter()
+                try:
+                    row = item.make()
+                except Exception as err:  # a crash is a failed row, and the table still prints
+                    row = Row(item.name, item.setting, f"{type(err).__name__}: {_first_line(err)}", "fail")
+                with _alarm_held():
+                    rows.append(row)
+                    recorder.row(name, row, time.perf_counter() - begun)
+    except BudgetExceeded:
+        spent = time.perf_counter() - started
+        gc.collect()  # what the stopped run held
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        if planned is None:  # stopped while planning: the rows' names, without a limit this time
+            try:
+                planned = SECTIONS[name].plan(check)
+            except Exception:
+                planned = [Planned(name, "", lambda: Row("", "", "", ""))]
+        cut = planned[len(rows) :]
+        why = f"not run: {limit or f'budget ({_secs(budget)} s)'} spent"
+        for i, item in enumerate(cut):
+            row = Row(item.name, item.setting, why + (f", stopped {spent:.0f} s in" if i == 0 and budget > 0 else ""),
+                      "not run")  # fmt: skip
+            rows.append(row)
+            recorder.row(name, row, 0.0)
+    except Exception as err:  # the plan itself failed
+        row = Row(name, "", f"{type(err).__name__}: {_first_line(err)}", "fail")
+        rows.append(row)
+        recorder.row(name, row, time.perf_counter() - started)
+    return rows
+
+
+def _secs(seconds: float) -> str:
+    return f"{round(seconds, 1):g}"
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0][:90] if str(err) else ""
+
+
+def _budgets(text: str, parser: argparse.ArgumentParser) -> dict[str, float]:
+    budgets = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in SECTIONS or not value:
+            parser.error(
+                f"--budgets takes NAME=SECONDS,... with NAME one of {', '.join(SECTIONS)}; got {item!r}"
+            )
+        budgets[name] = float(value)
+    return budgets
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="the same rows on the CPU at tiny size")
-    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+    p.add_argument(
+        "--only", default=",".join(DEFAULT_SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}"
+    )
+    p.add_argument("--peer", action="store_true", help="add the section 'peer' (ours against lightly's DINO)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/gpu_check/<time>)")
+    p.add_argument(
+        "--json", type=Path, default=None, help="the rows as JSON Lines (default <out>/rows.jsonl)"
+    )
+    p.add_argument("--max-seconds", type=float, default=MAX_SECONDS, help="the whole check's limit")
+    p.add_argument("--budget-scale", type=float, default=None, help="budgets x this (default 1; dry run 50)")
+    p.add_argument("--budgets", default="", help="NAME=SECONDS,...: these sections' budgets instead")
     args = p.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if args.peer and "peer" not in only:
+        only.append("peer")
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
         p.error(f"unknown --only {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
+    budgets = {name: SECTIONS[name].budget for name in SECTIONS} | _budgets(args.budgets, p)
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU machine, or use --dry-run for the CPU version of every check")
     from ssl_xcit.cli.quiet import install_filters
 
     install_filters()
+    scale = args.budget_scale if args.budget_scale is not None else (50.0 if args.dry_run else 1.0)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out if args.out is not None else REPO / "runs" / "gpu_check" / stamp
+    recorder = Recorder(args.json if args.json is not None else out / "rows.jsonl", sys.stdout)
+    device = "CPU dry run" if args.dry_run else torch.cuda.get_device_name(0)
     start = time.perf_counter()
+    deadline = start + args.max_seconds * scale
+    recorder.record("start", device=device, torch=torch.__version__, dry_run=args.dry_run, sections=only,
+                    budgets={n: budgets[n] * scale for n in only}, max_seconds=args.max_seconds * scale)  # fmt: skip
+    recorder.say(f"gpu_check on {device}: rows as they finish in {recorder.path}; at most "
+                 f"{args.max_seconds * scale:.0f} s")  # fmt: skip
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         check = Check(args.dry_run, Path(tmp))
         for name in only:
-            try:  # the runs' own output goes to stderr: stdout holds the table alone
-                with contextlib.redirect_stdout(sys.stderr):
-                    rows += SECTIONS[name](check)
-            except Exception as err:  # a crash is a failed row, and the table still prints
-                rows.append(Row(name, "", f"{type(err).__name__}: {str(err).splitlines()[0][:90]}", "fail"))
-    device = "CPU dry run" if args.dry_run else torch.cuda.get_device_name(0)
-    print(f"\ngpu_check on {device}, torch {torch.__version__}, {time.perf_counter() - start:.0f} s")
+            left = max(deadline - time.perf_counter(), 0.0)
+            budget = budgets[name] * scale
+            limit = f"the check's {args.max_seconds * scale:.0f} s" if left < budget else ""
+            rows += run_section(name, check, min(budget, left), recorder, limit)
+    seconds = time.perf_counter() - start
+    recorder.record("end", seconds=round(seconds, 1), failed=sum(r.status == "fail" for r in rows),
+                    not_run=sum(r.status == "not run" for r in rows))  # fmt: skip
+    print(f"\ngpu_check on {device}, torch {torch.__version__}, {seconds:.0f} s; rows in {recorder.path}")
     print(table(rows))
-    return 1 if any(r.status == "fail" for r in rows) else 0
+    if any(r.status == "fail" for r in rows):
+        return 1
+    return 3 if any(r.status == "not run" for r in rows) else 0
 
 
 if __name__ == "__main__":

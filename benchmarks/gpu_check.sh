@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One GPU check, one command, one table (benchmarks/gpu_check.py describes the rows):
-#   bash benchmarks/gpu_check.sh             # on a machine with a CUDA GPU, under 10 minutes on one GPU
+#   bash benchmarks/gpu_check.sh             # on a machine with a CUDA GPU: at most 8 minutes, each section
+#                                            # within its budget; rows also in runs/gpu_check/<time>/rows.jsonl
 #   bash benchmarks/gpu_check.sh --dry-run   # the same rows on the CPU at tiny size
 # It runs $PYTHON, else the first of the active venv's python, python3 and python that imports the project
 # and torch (a bare `python` may be another environment's, or absent where only python3 is).
-# Exit status 1 when a row fails, 2 when no such interpreter is found.
+# Exit status 1 when a row fails, 3 when none failed but some ran out of time, 2 when no such interpreter
+# is found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

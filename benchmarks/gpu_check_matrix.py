@@ -49,20 +49,22 @@ def fsdp2_rows() -> list[dict[str, str]]:
     return firsts[:FSDP2_ROWS]
 
 
-def matrix_rows(check: Any) -> list[Any]:
-    """One gpu_check row per matrix row: pass when no invariant fails (n.a. cells named in the result)."""
-    row_type = sys.modules[type(check).__module__].Row  # gpu_check's, however it was loaded
+def planned(check: Any) -> list[Any]:
+    """One gpu_check row per matrix row, each run when its turn comes (its own launch, so that a row is
+    recorded as soon as it ends): pass when no invariant fails (n.a. cells named in the result)."""
+    gpu_check = sys.modules[type(check).__module__]  # gpu_check's Row and Planned, however it was loaded
     matrix = _matrix()
     count = DRY_ROWS if check.dry else None
     rows = cuda_rows()[:count] + fsdp2_rows()[:count]
     worlds = (2, 1) if not check.dry and torch.cuda.device_count() >= 2 else (1,)
-    with tempfile.TemporaryDirectory(dir=check.tmp) as tmp:
-        results = matrix.run_matrix(rows, Path(tmp), check.accelerator, worlds)
     backend = ("nccl, " if 2 in worlds else "") + f"{check.accelerator}, {len(worlds)} run size(s)"
-    table = []
-    for row, result in zip(rows, results, strict=True):
+    out = Path(tempfile.mkdtemp(prefix="matrix_", dir=check.tmp))
+
+    def make(row: dict[str, str]) -> Any:
+        (result,) = matrix.run_matrix([row], out, check.accelerator, worlds)
         failed = [f"{c}: {d}" for c, (s, d) in result.items() if s == "FAIL"]
         passed = sum(s == "PASS" for s, _ in result.values())
         text = "; ".join(failed)[:120] if failed else f"{passed} invariants pass, {len(result) - passed} n.a."
-        table.append(row_type(f"matrix {matrix.row_id(row)}", backend, text, "fail" if failed else "pass"))
-    return table
+        return gpu_check.Row(f"matrix {matrix.row_id(row)}", backend, text, "fail" if failed else "pass")
+
+    return [gpu_check.Planned(f"matrix {matrix.row_id(r)}", backend, lambda r=r: make(r)) for r in rows]

@@ -1,4 +1,11 @@
-"""Every RNG state a run draws from (torch, CUDA, numpy, Python), as checkpoint-safe values, and back."""
+"""Every RNG state a run draws from (torch, CUDA, numpy, Python), as checkpoint-safe values, and back.
+
+The CUDA part is each visible device's default generator (seed and Philox offset: what ``torch.rand`` on that
+device draws from next), all of them on every rank, and the index of the rank's own device. A resume with the
+same devices visible restores them all; one that sees another number of devices (another
+``CUDA_VISIBLE_DEVICES`` layout) restores the state of the device the rank trained on onto the device it
+resumes on, the only generator its step draws from.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ def capture_rng_states() -> dict[str, Any]:
     """Tensors and plain Python values only, so ``torch.load(weights_only=True)`` accepts the checkpoint."""
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
+    cuda = torch.cuda.is_available()
     return {
         "torch": torch.get_rng_state(),
         "numpy": [
@@ -23,12 +31,15 @@ def capture_rng_states() -> dict[str, Any]:
             float(np_gauss),
         ],
         "python": [py_version, list(py_state), py_gauss],
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all() if cuda else [],
+        "cuda_device": torch.cuda.current_device() if cuda else -1,
     }
 
 
 def restore_rng_states(state: dict[str, Any] | None) -> None:
-    """Undo :func:`capture_rng_states` (CUDA states only when the device count matches); None does nothing."""
+    """Undo :func:`capture_rng_states`; None does nothing. CUDA: every device's generator when as many devices
+    are visible as at the capture, else the captured own device's onto the current device (a checkpoint from
+    before ``cuda_device`` was kept: none then)."""
     if not state:
         return
     torch.set_rng_state(state["torch"])
@@ -36,8 +47,15 @@ def restore_rng_states(state: dict[str, Any] | None) -> None:
     np.random.set_state((np_kind, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
     py_version, py_state, py_gauss = state["python"]
     random.setstate((py_version, tuple(py_state), py_gauss))
-    if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda_states = state.get("cuda") or []
+    if not cuda_states or not torch.cuda.is_available():
+        return
+    if len(cuda_states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda_states)
+        return
+    own = state.get("cuda_device", -1)
+    if 0 <= own < len(cuda_states):
+        torch.cuda.set_rng_state(cuda_states[own], torch.cuda.current_device())
 
 
 def gather_rng_states(states: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -27,7 +27,7 @@ def test_cuda_rows_are_the_designs_mixed_precision_rows_16_mixed_first():
     assert {r["precision"] for r in rows} == {"16-mixed", "bf16-mixed"}
     first_bf16 = next(i for i, r in enumerate(rows) if r["precision"] == "bf16-mixed")
     assert all(r["precision"] == "16-mixed" for r in rows[:first_bf16])
-    assert {r["optimizer"] for r in rows if r["precision"] == "16-mixed"} == {"foreach", "fused"}
+    assert {r["optimizer"] for r in rows if r["precision"] == "16-mixed"} >= {"foreach", "fused"}
     assert rows == module.cuda_rows()  # deterministic
 
 
