@@ -8,13 +8,12 @@ scores the val split. k and T are logged next to the accuracy, so a changed defa
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset
 
 from ssl_xcit.errors import UserError
 from ssl_xcit.evaluation.embed import embed_dataset
@@ -72,8 +71,9 @@ class OnlineKNN(Callback):
 
     Logs ``knn/top1``, ``knn/k`` and ``knn/temperature``. The teacher backbone is put in eval mode for the
     feature pass (BN running statistics, no drop path) and its previous mode is restored afterwards. Under
-    DDP each rank embeds 1/world of the images and the features are all-gathered, so every rank computes
-    the same k-NN and no rank waits for another.
+    DDP and FSDP2 each rank embeds 1/world of the images, every rank in the same number of forwards (a short
+    share is padded, the padding dropped: a sharded teacher all-gathers in each forward), and the features
+    are all-gathered, so every rank computes the same k-NN and no rank waits for another.
     Disabled, with a message, when the datamodule provides no labelled pair.
     """
 
@@ -132,15 +132,11 @@ class OnlineKNN(Callback):
         device: torch.device,
         trainer: Trainer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(features, labels) of the readable images of ``dataset``, in order, on every rank. Under DDP each
-        rank embeds one contiguous share and the shares are all-gathered: the work is split, nobody waits
-        for rank 0, and every rank gets the whole, identical set."""
+        """(features, labels) of the readable images of ``dataset``, in order, on every rank. Split over
+        ranks, each embeds one contiguous share in as many forwards as every other rank (a sharded teacher
+        all-gathers in each), and the shares are all-gathered: the work is split, nobody waits for rank 0,
+        and every rank gets the whole, identical set."""
         world, rank = getattr(trainer, "world_size", 1), getattr(trainer, "global_rank", 0)
-        if world > 1:
-            share = math.ceil(len(dataset) / world)
-            dataset = Subset(
-                dataset, range(min(rank * share, len(dataset)), min((rank + 1) * share, len(dataset)))
-            )
         # The package's one in-process extraction: eval mode inside, every submodule's mode restored after.
         out = embed_dataset(
             backbone,
@@ -149,6 +145,8 @@ class OnlineKNN(Callback):
             num_workers=self.num_workers,
             device=device,
             allow_empty=world > 1,
+            rank=rank,
+            world_size=world,
         )
         if world == 1:
             return out["features"], out["labels"]

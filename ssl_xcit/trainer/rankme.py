@@ -14,22 +14,22 @@ train them, and they can collapse while the CLS embedding is healthy.
 
 The singular values come from the D x D Gram matrix X^T X, accumulated over batches and summed over ranks:
 each rank embeds a share of the images, one all-reduce of a D x D matrix (not of N x D rows) joins them, and
-every rank computes the same value from the same sum.
+every rank computes the same value from the same sum. Every rank runs as many forwards as the others (a short
+share is padded and the padding left out of the sum), since a sharded (FSDP2) teacher all-gathers in each.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
 
-from ssl_xcit.data.datasets import collate_skip_none
 from ssl_xcit.errors import UserError
+from ssl_xcit.evaluation.embed import lockstep_batches
 
 EPS = 1e-7  # the paper's epsilon
 
@@ -63,28 +63,35 @@ def held_out_grams(
     batch_size: int = 64,
     num_workers: int = 0,
     patch_tokens: bool = True,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict[str, tuple[Tensor, int]]:
     """``{"embedding": (X^T X, N)}`` of the backbone's embeddings of ``dataset`` (``"patch"`` too: its
     final-norm patch tokens, every token a row), in float64 on ``device``. Eval mode inside; each submodule's
-    mode is restored after (a teacher mid-fit stays in train mode)."""
+    mode is restored after (a teacher mid-fit stays in train mode). With ``world_size`` > 1, of this
+    ``rank``'s contiguous share only, in as many forwards as on every other rank (``lockstep_batches``: a
+    sharded backbone all-gathers in each); the padding forwards add nothing."""
     modes = {name: m.training for name, m in backbone.named_modules()}
     backbone.eval()
     grams: dict[str, list[Any]] = {}
     try:
-        loader = DataLoader(dataset, batch_size, num_workers=num_workers, collate_fn=collate_skip_none)
-        for batch in loader:
-            if batch is None:  # every image of the batch was unreadable
-                continue
-            images = batch[0].to(device)
+        batches = lockstep_batches(
+            dataset, batch_size=batch_size, num_workers=num_workers, rank=rank, world_size=world_size
+        )
+        for batch in batches:
+            images = batch.images.to(device)
             if patch_tokens and getattr(backbone, "supports_masking", False):
                 # One pass; the final-norm patch tokens, which iBOT and Gram anchoring train.
                 cls, patches = backbone.forward_cls_patches(images)
             else:
                 cls = backbone(images)
                 patches = backbone.forward_patch_tokens(images)[0] if patch_tokens else None
-            outputs = {"embedding": cls}
+            if not batch.real:  # padding: forwarded with the other ranks, counted nowhere
+                continue
+            outputs = {"embedding": cls[: batch.real]}
             if patches is not None:
-                outputs["patch"] = patches.reshape(-1, patches.shape[-1])
+                outputs["patch"] = patches[: batch.real].reshape(-1, patches.shape[-1])
             for key, rows in outputs.items():
                 rows = rows.double()
                 entry = grams.setdefault(key, [torch.zeros(rows.shape[1], rows.shape[1], **_f64(device)), 0])
@@ -114,7 +121,8 @@ class RankMe(Callback):
 
     Logs ``rankme/embedding`` and ``rankme/patch``. The held-out images are the datamodule's
     ``heldout_dataset()``: ``data.val_root`` or the ``data.val_fraction`` split, labelled or not. Under DDP
-    each rank embeds a share and the ranks sum their Gram matrices, so all log the same value.
+    and FSDP2 each rank embeds a share, in the same number of forwards as every other rank, and the ranks
+    sum their Gram matrices, so all log the same value.
     """
 
     def __init__(
@@ -167,15 +175,18 @@ class RankMe(Callback):
         if dataset is None:
             return None
         world, rank = trainer.world_size, trainer.global_rank
-        if world > 1:  # one contiguous share per rank; a rank may get none
-            share = math.ceil(len(dataset) / world)
-            dataset = Subset(
-                dataset, range(min(rank * share, len(dataset)), min((rank + 1) * share, len(dataset)))
-            )
         network = getattr(pl_module, "evaluated_network", "teacher")  # a distillation run judges its student
         backbone = getattr(pl_module, network).backbone
+        # One contiguous share per rank (a rank may get none), in the same number of forwards on every rank.
         grams = held_out_grams(
-            backbone, dataset, pl_module.device, self.batch_size, self.num_workers, self.patch_tokens
+            backbone,
+            dataset,
+            pl_module.device,
+            self.batch_size,
+            self.num_workers,
+            self.patch_tokens,
+            rank=rank,
+            world_size=world,
         )
         values = {}
         for key in ("embedding", "patch") if self.patch_tokens else ("embedding",):
