@@ -49,7 +49,7 @@ def _host() -> types.SimpleNamespace:
         pytest.param("bf16-mixed", False, marks=pytest.mark.slow),
         pytest.param("bf16-mixed", True, marks=pytest.mark.slow),
         pytest.param("16-mixed", False, marks=pytest.mark.slow),
-        ("16-mixed", True),
+        pytest.param("16-mixed", True, marks=pytest.mark.slow),  # the suite's time budget; run with -m slow
     ],
 )
 def test_the_gpu_rows_setting_syncs_only_in_the_steps_that_read(tmp_path, precision, bar):

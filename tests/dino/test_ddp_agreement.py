@@ -90,8 +90,10 @@ def test_online_knn_splits_the_work_and_matches_one_process(tmp_path, two_ranks)
             assert torch.equal(labels, ref_labels) and len(labels) == 19
             torch.testing.assert_close(features, ref_features, rtol=1e-5, atol=1e-6)
     # The work is split: per evaluation rank 0 embeds bank 0..10 (10 readable) + queries 0..5 (6), rank 1
-    # bank 11..20 (9) + queries 6..10 (4); one process embeds all 19 + 10.
-    assert [r["images_embedded"] for r in ranks] == [2 * 16, 2 * 13]
+    # bank 11..20 (9) + queries 6..10 (4), plus one padding batch of 2 rows, so that it makes as many forwards
+    # as rank 0 (a sharded teacher all-gathers in each: ssl_xcit.evaluation.embed.lockstep_batches); one
+    # process embeds all 19 + 10.
+    assert [r["images_embedded"] for r in ranks] == [2 * 16, 2 * (13 + 2)]
     assert single["images_embedded"] == 2 * 29
 
 

@@ -82,13 +82,14 @@ def _resume(tiny, tmp_path, checkpoint, precision: str, fused: bool | None) -> N
     assert max(float(s["step"]) for s in optimizer.state.values()) == 4
 
 
-# In the default suite: every pair of precisions under the default ``fused_optimizer: null`` (32-true to
-# 16-mixed is the crash, 16-mixed to the others its reverse) and explicit settings that cross the fused
+# In the default suite (the suite's time budget): the crash (32-true to 16-mixed under the default
+# ``fused_optimizer: null``), its reverse, bf16-mixed to 16-mixed, and explicit settings that cross the fused
 # choice both ways, with and without a GradScaler. The other combinations (81 in all, about 40 s): `-m slow`.
-DEFAULT = {(before, None, after, None) for before in PRECISIONS for after in PRECISIONS} | {
-    ("bf16-mixed", False, "16-mixed", True),
+DEFAULT = {
+    ("32-true", None, "16-mixed", None),
+    ("16-mixed", None, "32-true", None),
+    ("bf16-mixed", None, "16-mixed", None),
     ("32-true", True, "16-mixed", False),
-    ("16-mixed", True, "32-true", False),
     ("16-mixed", False, "bf16-mixed", True),
 }
 CASES = [

@@ -43,6 +43,7 @@ def _reference(teacher: dict) -> dict:
     }
 
 
+@pytest.mark.slow  # ~17 s: the suite's time budget; tests/evaluation/test_lockstep.py covers the plan by default
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_online_knn_and_rankme_on_129_images_at_batch_64_under_fsdp2_and_ddp(tmp_path):
