@@ -46,3 +46,16 @@ def test_torch_floor_has_weights_only_loading():
         if match:
             floors[match.group(1)] = tuple(int(p) for p in match.group(2).split("."))
     assert floors["torch"] >= (2, 6) and floors["torchvision"] >= (0, 21), floors
+
+
+def test_min_versions_script_has_a_floor_to_pin_for_every_requirement():
+    """tests/min_versions.sh pins each `>=` floor of [project] dependencies and the [dev] extra: each must be a
+    single floor (an upper bound or an exact pin would go untested there), and its default subset must exist."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    script = (ROOT / "tests" / "min_versions.sh").read_text()
+    pattern = re.search(r"re\.fullmatch\(r\"(.+?)\", requirement", script).group(1)
+    for requirement in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        assert re.fullmatch(pattern, requirement.strip()), f"not a single `>=` floor: {requirement!r}"
+    subset = re.search(r"set -- (.+?) -q\n", script, flags=re.S).group(1).replace("\\\n", " ").split()
+    paths = [arg.split("::")[0] for arg in subset if arg.startswith("tests/")]
+    assert paths and all((ROOT / path).exists() for path in paths), subset

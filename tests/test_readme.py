@@ -60,6 +60,7 @@ SHRINK: list[tuple[str, list[str] | str]] = [
     (r"^pytest$", "this is the test suite itself"),
     (r"^bash benchmarks/gpu_check\.sh --dry-run$", "tests/benchmarks/test_gpu_check.py runs it (minutes: marked slow)"),
     (r"^bash benchmarks/gpu_check\.sh$", "needs a CUDA GPU; its --dry-run form is tested in tests/benchmarks"),
+    (r"^bash tests/min_versions\.sh$", "installs the oldest accepted releases (~3 GB) in a venv of its own: run by hand"),
     (r"^python tests/invariants/matrix\.py ", "tests/invariants/test_matrix.py runs it (the whole matrix: slow)"),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml --ckpt_path last$", [*_TRAIN, *_DINO, *_SHALLOW, "--trainer.max_epochs=2"]),
     (r"^ssl-xcit fit -c recipes/quickstart\.yaml$", [*_TRAIN, *_DINO, *_SHALLOW]),

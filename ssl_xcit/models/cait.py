@@ -115,6 +115,14 @@ class CaiT(Backbone, Cait):
             outputs.append(x)
         return outputs
 
+    def forward_cls(self, x: Tensor) -> Tensor:
+        """The class token through the class-attention blocks, prepended to the patch tokens (as timm's
+        ``Cait.forward_cls``, which timm releases before 1.0.31 lack)."""
+        cls_tokens = self.cls_token.expand(x.shape[0], -1, -1)
+        for block in self.blocks_token_only:
+            cls_tokens = block(x, cls_tokens)
+        return torch.cat((cls_tokens, x), dim=1)
+
     def forward_features(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """All tokens (B, 1 + N, C) after class attention and the final norm; token 0 is CLS (as timm)."""
         x, _ = self._embed(x, mask)

@@ -275,7 +275,9 @@ def export_onnx(
 def _export_program(model: nn.Module, example: Tensor, dynamic: bool, oblivious: bool) -> Any:
     import torch.fx.experimental._config as fx_config
 
-    with torch.no_grad(), fx_config.patch(backed_size_oblivious=oblivious):
+    # torch 2.6 has no backed_size_oblivious: there the second try traces as the first.
+    option = {"backed_size_oblivious": oblivious} if hasattr(fx_config, "backed_size_oblivious") else {}
+    with torch.no_grad(), fx_config.patch(**option):
         return torch.export.export(model, (example,), dynamic_shapes=_dynamic_shapes(dynamic))
 
 

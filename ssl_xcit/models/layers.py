@@ -108,12 +108,22 @@ class LPI(nn.Module):
         return x.permute(0, 2, 3, 1).reshape(batch, tokens, channels)
 
 
+# torch.export (and only it) must take XCA's plain product (``XCA.forward``). ``torch.compiler.is_exporting`` is
+# torch 2.7's; on 2.6, torch.compile takes the plain product too (the same values, without the fused speed-up).
+_is_exporting = getattr(torch.compiler, "is_exporting", torch.compiler.is_compiling)
+
+
 def _float16_compute(x: Tensor) -> bool:
-    """Whether XCA's products run in float16: a float16 input, or float16 autocast on its device."""
+    """Whether XCA's products run in float16: a float16 input, or float16 autocast on its device.
+
+    The meta device (ssl-xcit models' shape pass) has no autocast, and asking it raises. It is named here
+    rather than asked ``torch.amp.is_autocast_available``: dynamo before torch 2.12 cannot trace that call and
+    broke a compiled backbone's graph at every XCA block (``tests/models/test_xcit_compile.py``); the two
+    queries below it folds to constants, guarded, on every torch from 2.6."""
     if x.dtype == torch.float16:
         return True
     device = x.device.type
-    if not torch.amp.is_autocast_available(device):  # the meta device (ssl-xcit models' shape pass) has none
+    if device == "meta":
         return False
     return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
 
@@ -179,7 +189,7 @@ class XCA(nn.Module):
         head_dim = channels // self.num_heads
         # A traced program must hold for every resolution, so torch.export takes the plain product, which is
         # right for any N (a branch on N would become a guard that refuses the other sizes).
-        if not torch.compiler.is_exporting() and tokens > channels:
+        if not _is_exporting() and tokens > channels:
             # out[n, h*d + i] = sum_j attn[h, i, j] v[n, h*d + j], then proj. Both steps are linear in v, so one
             # (C x C) matrix per image does both: it costs C*C*d instead of N*C*d multiply-adds and skips the
             # N x C intermediate and its permuted copy, which pays off once N > C (high resolutions).
