@@ -92,8 +92,11 @@ def _ema_one_rank() -> None:
     ema = dino_module.ema_update
 
     def rank_zero_only(teacher, student, momentum):
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            ema(teacher, student, momentum)
+        # The other ranks run the same code with momentum 1 (teacher <- teacher): their teacher does not move,
+        # and their collectives stay in step (under FSDP2 the EMA reshards the teacher; skipping it would end
+        # the run in a collective mismatch instead of testing the checks).
+        first = not dist.is_initialized() or dist.get_rank() == 0
+        ema(teacher, student, momentum if first else 1.0)
 
     dino_module.ema_update = rank_zero_only
 

@@ -224,13 +224,13 @@ def test_a_compiled_xcit_row_resumes_equal_to_its_reference(tmp_path):
 # run could not resume at all (Lightning asked for the frozen teacher the checkpoint leaves out), and a Gram run
 # resumed with its Gram teacher marked not taken (the extra state), so it took a new one (159 tensors differed).
 WHOLE_CHECKPOINT_ROWS = [
-    {**FAST_ROW, "accumulate": "1", "unreadable": "none", "optimizer": "foreach", "norm": "vit_nobn",
-     "objective": "distill_dino", "strategy": "fsdp2_whole"},
-    {**FAST_ROW, "accumulate": "1", "unreadable": "every_rank", "optimizer": "foreach",
-     "objective": "gram", "strategy": "fsdp2_whole"},
-    # AdamW during DINO's last-layer freeze: the frozen layer has no optimiser state, and torch's strict
-    # set_optimizer_state_dict refused the one-file checkpoint ("Missing optimizer state for parameter
+    {**FAST_ROW, "unreadable": "start", "optimizer": "foreach", "objective": "distill_dino",
+     "strategy": "fsdp2_whole"},
+    # Gram, and AdamW during DINO's last-layer freeze: the frozen layer has no optimiser state, and torch's
+    # strict set_optimizer_state_dict refused the one-file checkpoint ("Missing optimizer state for parameter
     # 'student.head.last_layer.weight_v'"), found by the matrix's AdamW rows (issue 50).
+    {**FAST_ROW, "unreadable": "every_rank", "precision": "bf16-mixed", "optimizer": "adamw", "objective": "gram",
+     "strategy": "fsdp2_whole"},
     {**FAST_ROW, "accumulate": "3", "unreadable": "start", "precision": "bf16-mixed", "optimizer": "adamw",
      "norm": "vit_nobn", "strategy": "fsdp2_whole"},
 ]  # fmt: skip
@@ -336,13 +336,15 @@ def test_window_gradients_catch_a_doubled_window_and_accept_a_shared_overflow():
 @pytest.mark.slow  # ~1 minute
 @pytest.mark.distributed
 def test_fsdp2_ranks_equal_catches_an_ema_on_one_rank(tmp_path):
-    """Under FSDP2 the EMA updates each rank's own teacher shards: run on rank 0 only, rank 1's shards stay put.
-    Gathered whole, both ranks held the same half-moved copy and ``ranks equal`` passed."""
+    """Under FSDP2 the EMA updates each rank's own teacher shards: with rank 0's alone moving, rank 1's stay put.
+    Gathered whole, both ranks held the same half-moved copy, and a comparison of the gathered copies passed."""
     from mutants import environment
 
     row = {**FAST_ROW, "accumulate": "1", "unreadable": "none", "optimizer": "foreach", "strategy": "fsdp2"}
     assert row in fsdp2_design()
     with environment("ema_one_rank"):
         (result,) = run_matrix([row], tmp_path)
+    # Rank 1's teacher stays put, so the targets and every later gradient differ: the first group found may be
+    # rank 0's optimiser state (measured 5.3e-1 of its movement) as well as rank 1's teacher.
     status, detail = result["ranks equal"]
-    assert status == checks.FAIL and detail.startswith("rank 1's shards against 1 process: teacher"), detail
+    assert status == checks.FAIL and "'s shards against 1 process: " in detail, detail
