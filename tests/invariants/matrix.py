@@ -108,7 +108,7 @@ def mutant_results(
         for row, result in zip(rows, results, strict=True):
             failed = [(c, d) for c, (s, d) in result.items() if s == matrix_checks.FAIL]
             if mutants.MUTANTS[name].scaler_only and row["precision"] != "16-mixed":
-                plain = run_matrix([row], out / "unmutated", accelerator)  # noqa: F841 (its runs, on disk)
+                run_matrix([row], out / "unmutated", accelerator)  # its runs, on disk: compared below
                 same = matrix_checks.same_runs(out / name / row_id(row), out / "unmutated" / row_id(row))
                 cells.append(("equivalent", "no GradScaler: " + same) if not same.startswith("FAIL")
                              else ("SURVIVED", same))  # fmt: skip
@@ -168,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=Path, help="write the tables into this page between their markers")
     args = parser.parse_args(argv)
     if args.mutants is not None:
-        start = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             out = (args.out or Path(tmp)) / "mutants"
             found = mutant_results(args.mutants.split(","), out, args.accelerator)
