@@ -4,8 +4,9 @@ One row per configuration, each read as ``ssl-xcit plan -c RECIPE ...`` reads it
 per GPU: ``recipes/dino_xcit_s12_16.yaml``, the same with activation checkpointing,
 ``recipes/dino_vit_s16.yaml``, the same with ViT-B/16 (``--model.backbone vit_base_patch16_224``), and that ViT-B/16 under FSDP2 over 8 GPUs.
 
-- plan: ``ssl_xcit.trainer.memory_plan.estimate`` (fake tensors, no GPU): its traced peak, and its peak with
-  the stated overheads (fragmentation, CUDA context and workspaces);
+- plan: ``ssl_xcit.trainer.memory_plan.estimate`` (fake tensors, no GPU): its traced peak under CUDA's
+  autocast policy, the same traced with CPU autocast's lists (what the plan traced before issue 52), and its
+  peak with the stated overheads (fragmentation, CUDA context and workspaces, NCCL's communicators);
 - measured: the same module built on the GPU (``memory_plan.build`` under ``torch.device("cuda")``), AdamW's
   states made, two steady training steps (``memory_plan.training_steps``: the plan's own step functions), in
   this process: ``torch.cuda.max_memory_allocated`` over all of it, less what was allocated before, and
@@ -27,7 +28,7 @@ import gc
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,10 +131,12 @@ def planned(check: Any) -> list[Any]:
         plan = plan_of(recipe, overrides, ranks, check.dry)
         setting = _setting(plan)
         est = estimate(plan)
+        cpu_lists = estimate(replace(plan, autocast="cpu")).traced_peak
         allocated, reserved = measure(plan, device, gpu_check._load("bench_memory_plan"))
         ratio = est.traced_peak / allocated
         result = (f"plan traced {est.traced_peak / 1e9:.3f} GB, measured peak allocated "
-                  f"{allocated / 1e9:.3f} GB (plan / measured {ratio:.3f})")  # fmt: skip
+                  f"{allocated / 1e9:.3f} GB (plan / measured {ratio:.3f}; CPU autocast's lists "
+                  f"{cpu_lists / 1e9:.3f} GB, {cpu_lists / allocated:.3f})")  # fmt: skip
         ok = abs(ratio - 1) <= TOLERANCE
         if reserved is not None:
             result += f"; plan with overheads {est.peak / 1e9:.2f} GB, peak reserved {reserved / 1e9:.2f} GB"

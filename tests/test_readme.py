@@ -96,7 +96,8 @@ SHRINK: list[tuple[str, list[str] | str]] = [
                                                    "--data.crop_size=32", "--data.resize_size=32"]),
     (r"^ssl-xcit retrieval ", _RETRIEVAL),
     (r"^ssl-xcit visualize ", []),  # the pages' own small settings (shipped images, small backbones)
-    # one or two blocks, tiny heads and crops; 2.1 GB leaves ~90 MB beside the fixed 2 GB, so --max-batch ends fast
+    # one or two blocks, tiny heads and crops; 2.1 GB leaves ~1.1 GB beside one GPU's 1 GB margin (a fake trace's
+    # time does not grow with the batch, so --max-batch still ends fast)
     (r"^ssl-xcit plan --table ", "tests/cli/test_plan.py runs it, shrunk (16 traces: marked slow)"),
     # a distillation plan traces its teacher whole: ViT-7B's 40 blocks become a 12-block ViT-Ti
     (r"^ssl-xcit plan -c recipes/distill\.yaml ", ["--model.teacher=timm:vit_tiny_patch16_224",

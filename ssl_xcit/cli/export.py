@@ -49,25 +49,37 @@ def teacher_backbone_state(checkpoint: dict[str, Any], source: str = "checkpoint
     return out
 
 
-def teacher_backbone(checkpoint_path: str | Path) -> tuple[torch.nn.Module, str, dict[str, Any]]:
+def teacher_backbone(
+    checkpoint_path: str | Path, materialize: bool = True
+) -> tuple[torch.nn.Module, str, dict[str, Any]]:
     """The teacher backbone of a DINO checkpoint, built from its recorded name and ``backbone_kwargs`` and
-    loaded strictly (so a bad export never lands); returns (model, name, architecture kwargs)."""
-    from ssl_xcit.models import create_model, read_checkpoint
+    loaded strictly (so a bad export never lands); returns (model, name, architecture kwargs). With
+    ``materialize`` false the model is built on the meta device and takes the checkpoint's tensors themselves
+    (cast to the model's dtypes): no second copy of the weights, for writing its state dict out (buffers the
+    state dict leaves out stay on the meta device). A sharded folder is read for that backbone alone."""
+    from ssl_xcit.models import create_model
+    from ssl_xcit.models.checkpoint import read_backbone_checkpoint
 
     checkpoint_path = Path(checkpoint_path)
     if not is_checkpoint(checkpoint_path):  # a file, or a folder of FSDP2 shards
         raise FileNotFoundError(f"checkpoint {checkpoint_path} does not exist")
-    checkpoint = read_checkpoint(checkpoint_path)
+    checkpoint = read_backbone_checkpoint(checkpoint_path)
     state = teacher_backbone_state(checkpoint, str(checkpoint_path))
     hparams = checkpoint.get("hyper_parameters") or {}
     name = hparams.get("backbone")
     if not isinstance(name, str):
         raise UserError(f"{checkpoint_path} does not record its backbone name (hyper_parameters['backbone'])")
     kwargs = dict(hparams.get("backbone_kwargs") or {})
-    model = create_model(name, **kwargs)
     # iBOT's mask token is a training input, not part of the network one evaluates: the export leaves it out.
     state.pop("mask_token", None)
-    model.load_state_dict(state, strict=True)
+    if materialize:
+        model = create_model(name, **kwargs)
+        model.load_state_dict(state, strict=True)
+    else:
+        model = create_model(name, device="meta", **kwargs)
+        own = model.state_dict()
+        state = {k: v.to(own[k].dtype) if k in own else v for k, v in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
     # Only the architecture arguments: training-time ones (drop_path_rate) do not describe the weights.
     arch = {k: v for k, v in kwargs.items() if k != "drop_path_rate"}
     return model.eval(), model.name, arch
@@ -95,11 +107,11 @@ def _export(
 ) -> tuple[Path, str, str]:
     from ssl_xcit.models import export as formats
 
-    model, name, arch = teacher_backbone(checkpoint_path)
+    weights_only = fmt in ("safetensors", "pth")
+    model, name, arch = teacher_backbone(checkpoint_path, materialize=not weights_only)
     private = owner_only()
-    if fmt in ("safetensors", "pth"):
-        # Plain contiguous CPU tensors, in the model's own key order.
-        plain = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    if weights_only:
+        plain = _plain(model.state_dict())
         if fmt == "safetensors":
             return formats.save_safetensors(plain, name, arch, out_path, private=private), name, ""
         record = {"state_dict": plain, "hyper_parameters": {"backbone": name, "backbone_kwargs": arch}}
@@ -113,6 +125,22 @@ def _export(
         else f"max relative difference to PyTorch {error:.1e}"
     )
     return path, name, f"; dynamic {dims}, traced at {resolution}x{resolution}; {check}"
+
+
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain contiguous CPU tensors, in the model's own key order, each owning its storage (safetensors
+    refuses shared storages, and torch.save would write a view's whole storage); a tensor that already does is
+    kept, not copied, so the export holds the weights once."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in state.items():
+        value = value.detach().cpu().contiguous()
+        storage = value.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() != value.nbytes:
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        out[key] = value
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:

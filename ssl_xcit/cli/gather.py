@@ -1,6 +1,7 @@
 """``ssl-xcit gather-checkpoint SRC OUT``: a sharded checkpoint (the folder ``--trainer.strategy fsdp2`` writes)
 as one file, the form ``--trainer.strategy fsdp2_whole`` writes; another trainer's DCP folder (DINOv3's) as its
-whole state dict (``ssl_xcit.models.sharded``)."""
+whole state dict (``ssl_xcit.models.sharded``). The file is written as the folder is read, a bounded group of
+tensors at a time, so a folder larger than memory can be gathered."""
 
 from __future__ import annotations
 

@@ -129,7 +129,12 @@ def _gb(n: int) -> str:
 
 def describe(plan: Any, result: Any, gpu_memory: float) -> str:
     """The plan as a short table."""
-    from ssl_xcit.trainer.memory_plan import CUDA_OVERHEAD_GB, FRAGMENTATION
+    from ssl_xcit.trainer.memory_plan import (
+        CUDA_OVERHEAD_GB,
+        FRAGMENTATION,
+        NCCL_COMMUNICATOR_GB,
+        nccl_communicators,
+    )
 
     backbone = plan.model_args.get("backbone", "xcit_small_12_p16")
     ac = "on" if plan.model_args.get("activation_checkpointing") else "off"
@@ -150,8 +155,9 @@ def describe(plan: Any, result: Any, gpu_memory: float) -> str:
         lines.append(f"  DDP buckets    {_gb(result.ddp_buckets)}  a float32 copy of the gradients")
     lines += [
         f"  traced peak    {_gb(result.traced_peak + result.ddp_buckets)}",
-        f"  peak per GPU   {_gb(result.peak)}  traced x {1 + FRAGMENTATION:.2f} + {CUDA_OVERHEAD_GB:.0f} GB "
-        "(CUDA context, workspaces, NCCL)",
+        f"  peak per GPU   {_gb(result.peak)}  traced x {1 + FRAGMENTATION:.2f} + {result.overhead / 1e9:.0f} GB "
+        f"(CUDA context and workspaces {CUDA_OVERHEAD_GB:g} GB, NCCL {NCCL_COMMUNICATOR_GB:g} GB x "
+        f"{nccl_communicators(plan)} communicator{'s' * (nccl_communicators(plan) != 1)})",
         f"  fits {gpu_memory:g} GB:   {'yes' if result.fits(gpu_memory) else 'NO'}",
     ]
     return "\n".join(lines)

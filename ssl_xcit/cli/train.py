@@ -33,6 +33,7 @@ from ssl_xcit.cli.errors import ShortErrorParser
 from ssl_xcit.cli.quiet import cap_workers, install_filters
 from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, inherited_run_dir, place_run
 from ssl_xcit.models.sharded import is_checkpoint
+from ssl_xcit.trainer.meta_start import is_fsdp2_setting, meta_start
 
 PREEMPTION = "ssl_xcit.trainer.preemption.PreemptionCheckpoint"
 
@@ -82,6 +83,12 @@ class SSLXCiTCLI(LightningCLI):
             if args is not None and isinstance(getattr(args, "num_workers", None), int):
                 name = str(getattr(callback, "class_path", "callback")).rsplit(".", 1)[-1]
                 args.num_workers = cap_workers(args.num_workers, f"{name}.num_workers")
+
+    def instantiate_classes(self) -> None:
+        # Under FSDP2 the model's networks start on the meta device (ssl_xcit.trainer.meta_start).
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        with meta_start(is_fsdp2_setting(config.trainer.get("strategy"))):
+            super().instantiate_classes()
 
     def _announce(self) -> None:
         if self._announcement:

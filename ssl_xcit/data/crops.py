@@ -37,6 +37,12 @@ _PIL_RESAMPLE = {"nearest": Image.NEAREST, "bilinear": Image.BILINEAR, "bicubic"
 _TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)
 
 
+def gram_crop_side(side: int, scale: float) -> int:
+    """The Gram teacher's crop side for a global crop of ``side`` px: ``scale`` x ``side``, halves rounded up
+    (DINOv3's high-resolution stage: 1.5 x 512 = 768, 1.5 x 768 = 1152)."""
+    return math.floor(side * scale + 0.5)
+
+
 @dataclass
 class Crop:
     """One crop: box (top, left, height, width) in the full-size, upright image; output side; flip."""

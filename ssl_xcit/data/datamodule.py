@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ssl_xcit.data.callbacks import SkippedImagesLogger
+from ssl_xcit.data.crops import gram_crop_side
 from ssl_xcit.data.datamodule_device import DeviceAugmentHooks
 from ssl_xcit.data.datasets import ImageDataset, open_folders
 from ssl_xcit.data.device_augment import PhotometricAugment
@@ -34,7 +35,7 @@ from ssl_xcit.data.device_crops import DECODE_ON, CropReader
 from ssl_xcit.data.knn_data import aligned_val, knn_sets
 from ssl_xcit.data.loaders import build_loader, check_full_batches
 from ssl_xcit.data.shards import is_shard_root, is_url
-from ssl_xcit.data.stages import check_high_res, in_high_res_stage, stage_crops
+from ssl_xcit.data.stages import MixedCropsView, check_high_res, in_high_res_stage, stage_crops
 from ssl_xcit.data.storage import storage_options as parse_storage_options
 from ssl_xcit.data.streaming import ShardTrainSet, dataset_view, open_shards
 from ssl_xcit.data.synthetic import ensure_synthetic_dataset
@@ -45,6 +46,11 @@ from ssl_xcit.errors import UserError
 __all__ = ["AUGMENT_ON", "DINODataModule", "SkippedImagesLogger"]
 
 AUGMENT_ON = ("auto", "cpu", "device")
+
+
+def _pair_stage(k: int) -> str:
+    """The name of the high-resolution stage's ``k``-th (global, local) pair among the datamodule's stages."""
+    return "high_res" if k == 0 else f"high_res/{k}"
 
 
 class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
@@ -113,8 +119,11 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
             "http://minio:9000"}`` (an S3-compatible store), passed to LitData; default: the environment's
             (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...). See docs/cluster.md.
         high_res_epochs: the last this many epochs are a high-resolution stage, as DINOv3's high-resolution
-            adaptation (``ssl_xcit.data.stages``); 0 (default) for none. Folders and list files only.
-        high_res_crops_size: ``[global, local]`` crop sides of that stage (DINOv3: 512-768 and 112-336 px).
+            adaptation (``ssl_xcit.data.stages``); 0 (default) for none.
+        high_res_crops_size: ``[global, local]`` crop sides of that stage (DINOv3: 512-768 and 112-336 px), or a
+            list of such pairs, one of which crops each batch (DINOv3's mix; folders and list files only).
+        high_res_crops_ratios: with a list of pairs, the share of batches of each (DINOv3: 0.3, 0.3, 0.3, 0.05,
+            0.05); normalised to sum 1.
     """
 
     def __init__(
@@ -149,7 +158,8 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
         decode_on: Literal["worker", "device"] = "worker",
         storage_options: dict[str, Any] | None = None,
         high_res_epochs: int = 0,
-        high_res_crops_size: tuple[int, int] | None = None,
+        high_res_crops_size: tuple[int, int] | list[tuple[int, int]] | None = None,
+        high_res_crops_ratios: list[float] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -181,10 +191,10 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
                 f"on the training device), got {decode_on!r}"
             )
         # The crops of each stage (ssl_xcit.data.stages): the run's sizes, and the high-resolution stage's.
-        self.high_res = check_high_res(high_res_epochs, high_res_crops_size)
+        self.high_res = check_high_res(high_res_epochs, high_res_crops_size, high_res_crops_ratios)
         self._stages = {"base": stage_crops(self.hparams, global_crops_size, local_crops_size)}
-        if self.high_res is not None:
-            self._stages["high_res"] = stage_crops(self.hparams, *self.high_res)
+        for k, sizes in enumerate(self.high_res.sizes if self.high_res is not None else ()):
+            self._stages[_pair_stage(k)] = stage_crops(self.hparams, *sizes)  # "high_res": the first pair
         self.decode_fallbacks = 0  # files decode_on=device left to the workers (this process's batches)
         self.photometric = PhotometricAugment(
             color_jitter=color_jitter,
@@ -251,12 +261,13 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
         if self.hparams.root is None:
             ensure_synthetic_dataset()
 
-    def use_gram_crops(self, scale: int | None) -> None:
+    def use_gram_crops(self, scale: float | None) -> None:
         """Cut the Gram teacher's 2 crops into every batch (None: not): each global crop's box and flip at ``scale``
         x its side, undistorted. ``setup`` reads ``scale`` from the trainer's model (its ``gram_crops_scale``).
-        Every stage gets them, at ``scale`` x that stage's own global side (the high-resolution stage too)."""
+        Every stage gets them, at ``scale`` x that stage's own global side (the high-resolution stage's pairs too,
+        each at its own: 1.5 gives DINOv3's 768 and 1152 px for 512 and 768)."""
         for crops in self._stages.values():
-            size = None if scale is None else int(scale) * crops.geometry.global_crops_size
+            size = None if scale is None else gram_crop_side(crops.geometry.global_crops_size, scale)
             crops.cpu.gram_crops_size = crops.geometry.gram_crops_size = size
 
     def setup(self, stage: str | None = None) -> None:
@@ -303,6 +314,12 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
     def _setup_shards(self) -> None:
         """``root`` is a prepared dataset: LitData's streaming training set (``ssl_xcit.data.streaming``)."""
         hp = self.hparams
+        if self.high_res is not None and len(self.high_res.sizes) > 1:
+            raise UserError(
+                f"high_res_crops_size gives {len(self.high_res.sizes)} (global, local) pairs, which needs a folder "
+                f"or list-file root (LitData's loader draws its own batches); {hp.root} is a prepared dataset: "
+                "give one pair"
+            )
         self.train_dataset, val_set = open_shards(
             hp.root,
             hp.val_root,
@@ -350,10 +367,28 @@ class DINODataModule(DeviceAugmentHooks, L.LightningDataModule):
         loader Lightning saves and resumes mid-epoch (``ssl_xcit.data.resumable``)."""
         if self.train_dataset is None:
             self.setup("fit")
+        high = False
         if self.high_res is not None:  # the epoch alone decides: the same stage on every rank and on resume
             trainer = self.trainer
             high = in_high_res_stage(trainer.current_epoch, trainer.max_epochs, self.hparams.high_res_epochs)
             self._use_stage("high_res" if high else "base")
+        if high and len(self.high_res.sizes) > 1:  # one (global, local) pair per batch (ssl_xcit.data.stages)
+            device = self.augment_on == "device"
+            transforms = [
+                self._stages[_pair_stage(k)].reader if device else self._stages[_pair_stage(k)].cpu
+                for k in range(len(self.high_res.sizes))
+            ]
+            hp = self.hparams
+            return build_loader(
+                MixedCropsView(self.train_dataset, transforms),
+                hp.batch_size,
+                True,
+                self.trainer,
+                num_workers=hp.num_workers,
+                pin_memory=hp.pin_memory,
+                persistent_workers=hp.persistent_workers,
+                batch_pairs=self.high_res.pairs,
+            )
         return self._loader(self.train_dataset, self.hparams.batch_size, train=True)
 
     def val_dataloader(self) -> DataLoader | list:

@@ -57,16 +57,17 @@ DECODE_ON = ("worker", "device")
 
 class CropItem:
     """One image as a worker delivers it: decoded uint8 ``(3, h, w)`` pixels or ``encoded`` file bytes, with
-    its crops' boxes ``(K, 4)`` (x1, y1, x2, y2 in the delivered pixels' coordinates) and flips ``(K,)``."""
+    its crops' boxes ``(K, 4)`` (x1, y1, x2, y2 in the delivered pixels' coordinates), flips ``(K,)`` and output
+    sides ``crop_sizes`` (K; None: the reader's)."""
 
-    __slots__ = ("boxes", "data", "encoded", "flips", "fallback", "size")
+    __slots__ = ("boxes", "crop_sizes", "data", "encoded", "flips", "fallback", "size")
 
     def __init__(
         self, data: torch.Tensor, boxes: np.ndarray, flips: np.ndarray, size: tuple[int, int], encoded: bool,
-        fallback: bool = False,
+        fallback: bool = False, crop_sizes: tuple[int, ...] | None = None,
     ) -> None:  # fmt: skip
         self.data, self.boxes, self.flips, self.size = data, boxes, flips, size
-        self.encoded, self.fallback = encoded, fallback
+        self.encoded, self.fallback, self.crop_sizes = encoded, fallback, crop_sizes
 
 
 def _boxes(crops: Sequence[Crop], sx: float, sy: float) -> tuple[np.ndarray, np.ndarray]:
@@ -127,13 +128,14 @@ class CropReader:
             if orientation in _TRANSPOSED_ORIENTATIONS:
                 width, height = height, width
             crops = self.geometry.plan(width, height)
+            sides = tuple(c.size for c in crops)  # travel with the batch: the stage's size mix varies them
             plain_jpeg = (
                 image.format == "JPEG" and image.mode in ("RGB", "L") and not image.info.get("progressive")
             )
             if self.decode_on == "device" and plain_jpeg and orientation == 1:
                 boxes, flips = _boxes(crops, 1.0, 1.0)
                 data = torch.frombuffer(raw, dtype=torch.uint8)
-                return CropItem(data, boxes, flips, (height, width), encoded=True)
+                return CropItem(data, boxes, flips, (height, width), encoded=True, crop_sizes=sides)
             reduction = min(min(c.width, c.height) / c.size for c in crops)
             if self.geometry.draft and image.format == "JPEG" and reduction >= 2.0:
                 # The largest DCT reduction at which every crop keeps at least its output size.
@@ -146,7 +148,8 @@ class CropReader:
                 pixels = _pil_decode(image, orientation)
         h, w = pixels.shape[-2:]
         boxes, flips = _boxes(crops, w / width, h / height)
-        return CropItem(pixels, boxes, flips, (h, w), encoded=False, fallback=self.decode_on == "device")
+        fallback = self.decode_on == "device"
+        return CropItem(pixels, boxes, flips, (h, w), encoded=False, fallback=fallback, crop_sizes=sides)
 
     def __call__(self, item: CropItem) -> CropItem:
         if not isinstance(item, CropItem):
@@ -169,7 +172,8 @@ def _fast_decode(raw: bytearray, image: Image.Image, orientation: int) -> torch.
 class CropBatch:
     """A collated batch of :class:`CropItem`: ``images`` (padded uint8 batch, or None when every image is still
     encoded), ``encoded`` (file bytes, kept on the CPU by :meth:`to`), ``rois`` ``(K * B, 5)`` in crop-major
-    order and ``flips`` ``(K * B,)``. Image ``b`` of ``order`` is row ``b`` of the rois' batch index."""
+    order, ``flips`` ``(K * B,)`` and the K output sides ``crop_sizes`` (None: the reader's). Image ``b`` of
+    ``order`` is row ``b`` of the rois' batch index."""
 
     def __init__(
         self,
@@ -179,9 +183,11 @@ class CropBatch:
         rois: torch.Tensor,
         flips: torch.Tensor,
         fallbacks: int,
+        crop_sizes: tuple[int, ...] | None = None,
     ) -> None:
         self.images, self.encoded, self.sizes = images, encoded, sizes
         self.rois, self.flips, self.fallbacks = rois, flips, fallbacks
+        self.crop_sizes = crop_sizes
 
     @property
     def batch_size(self) -> int:
@@ -189,7 +195,9 @@ class CropBatch:
 
     def _map(self, fn: Any) -> CropBatch:
         images = fn(self.images) if self.images is not None else None
-        return CropBatch(images, self.encoded, self.sizes, fn(self.rois), fn(self.flips), self.fallbacks)
+        return CropBatch(
+            images, self.encoded, self.sizes, fn(self.rois), fn(self.flips), self.fallbacks, self.crop_sizes
+        )
 
     def to(self, device: Any, *args: Any, non_blocking: bool | None = None, **kwargs: Any) -> CropBatch:
         """Move the pixels, boxes and flips; the file bytes stay on the CPU for the batched decoder.
@@ -245,6 +253,9 @@ def collate_crops(batch: list[Any]) -> Any:
     k, n = boxes.shape[:2]
     rois = np.concatenate([np.tile(np.arange(n, dtype=np.float32), k)[:, None], boxes.reshape(k * n, 4)], 1)
     flips = np.stack([it.flips for it, _, _ in items], axis=1).reshape(-1)
+    sides = {getattr(it, "crop_sizes", None) for it, _, _ in items}
+    if len(sides) != 1:  # a sampler that mixes sizes gives every item of a batch one pair
+        raise ValueError(f"a batch's images were cropped at different sizes: {sorted(map(str, sides))}")
     crop_batch = CropBatch(
         images,
         [it.data for it, _, _ in items if it.encoded],
@@ -252,6 +263,7 @@ def collate_crops(batch: list[Any]) -> Any:
         torch.from_numpy(rois),
         torch.from_numpy(flips),
         sum(it.fallback for it, _, _ in items),
+        sides.pop(),
     )
     labels = torch.tensor([b[1] for b in items], dtype=torch.int64)
     indices = torch.tensor([b[2] for b in items], dtype=torch.int64)

@@ -119,18 +119,22 @@ class ImageDataset(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[Any, int, int] | None:
+        return self.load(index, self.transform)
+
+    def load(self, index: int, transform: Callable[..., Any] | None) -> tuple[Any, int, int] | None:
+        """Item ``index`` through ``transform`` (the high-resolution stage's size mix picks one per batch)."""
         if bool(self._bad[index]):
             return None
         path, label = self.samples[index]
         # A transform with its own reader (MultiCropGeometry) decodes only the resolution its crops need.
-        read = getattr(self.transform, "read", None)
+        read = getattr(transform, "read", None)
         try:
             image = read(path) if read is not None else load_image(path)
         except Exception as err:  # PIL raises OSError, ValueError, SyntaxError, DecompressionBombError...
             self.mark_unreadable(index, err)
             return None
-        if self.transform is not None:
-            image = self.transform(image)
+        if transform is not None:
+            image = transform(image)
         return image, label, index
 
     def subset(self, indices: Sequence[int], transform: Callable | None | str = "same") -> ImageDataset:

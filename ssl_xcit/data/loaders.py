@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from ssl_xcit.data.datasets import ImageDataset, collate_skip_none, collate_train
 from ssl_xcit.data.device_crops import CropReader, collate_crops
-from ssl_xcit.data.resumable import resumable_loader, run_seed
+from ssl_xcit.data.resumable import BatchPairs, resumable_loader, run_seed
 from ssl_xcit.data.streaming import ShardTrainSet, shard_train_loader
 from ssl_xcit.errors import UserError
 
@@ -24,11 +24,13 @@ def build_loader(
     num_workers: int,
     pin_memory: bool,
     persistent_workers: bool,
+    batch_pairs: BatchPairs | None = None,
 ) -> DataLoader:
     """The loader of ``dataset``: shuffled, ``drop_last`` and resumable mid-epoch when ``train``, else in order.
 
     ``trainer`` (or None) gives the rank, world size and epoch; ``pin_memory`` applies only where CUDA is
-    available. A dataset whose transform is a :class:`CropReader` collates into ``CropBatch`` es.
+    available. A dataset whose transform is a :class:`CropReader` collates into ``CropBatch`` es. ``batch_pairs``:
+    the training keys are ``(index, pair)`` (``ssl_xcit.data.stages.MixedCropsView``; files only).
     """
     shards = isinstance(dataset, ShardTrainSet)
     device_crops = isinstance(dataset.item_transform if shards else dataset.transform, CropReader)
@@ -57,6 +59,7 @@ def build_loader(
             collate,
             world_size=trainer.world_size if trainer is not None else 1,
             rank=trainer.global_rank if trainer is not None else 0,
+            batch_pairs=batch_pairs,
             **common,
         )
     return DataLoader(

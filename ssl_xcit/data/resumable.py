@@ -18,7 +18,7 @@ under DDP (it injects its own sampler only into loaders that have none of that t
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -30,19 +30,45 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from ssl_xcit.errors import UserError
 
+# (seed, epoch, number of batches) -> the index of each batch's crop sizes (ssl_xcit.data.stages.CropMix.pairs)
+BatchPairs = Callable[[int, int, int], Any]
+
 
 class ResumableSampler(StatefulDistributedSampler):
     """Shuffled ``DistributedSampler`` (``drop_last``) whose state is its position, epoch, seed and world size.
+
+    With ``batch_pairs`` (``ssl_xcit.data.stages.CropMix.pairs``) it yields ``(index, pair)``: the pair of the
+    index's batch of ``batch_size`` in the epoch, ``batch_pairs(seed, epoch, num_batches)[batch]``, which does
+    not depend on the rank.
 
     ``rank`` ``r`` of ``W`` takes every ``W``-th image of the epoch's permutation of the whole dataset (seeded by
     ``seed + epoch``), as ``DistributedSampler`` does. A state saved mid-epoch resumes only on the same world
     size and dataset size: any other split would repeat or skip images, so that is an error.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        batch_pairs: BatchPairs | None = None,
+        batch_size: int = 1,
+    ) -> None:
         super().__init__(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
+        self.batch_pairs, self.batch_size = batch_pairs, batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.batch_pairs is None:
+            yield from super().__iter__()
+            return
+        # Drawn when the epoch's first index is, from the epoch the permutation uses; a resumed iterator
+        # continues from its saved position, and so at the same batch of the same draws.
+        pairs = self.batch_pairs(self.seed, self.epoch, len(self) // self.batch_size + 1)
+        for index in super().__iter__():  # `yielded` counts this index already
+            yield index, int(pairs[(self.yielded - 1) // self.batch_size])
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -83,8 +109,10 @@ def resumable_loader(
     world_size: int = 1,
     rank: int = 0,
     seed: int | None = None,
+    batch_pairs: BatchPairs | None = None,
 ) -> StatefulDataLoader:
-    """A shuffled, ``drop_last`` training loader that Lightning checkpoints and resumes mid-epoch exactly."""
+    """A shuffled, ``drop_last`` training loader that Lightning checkpoints and resumes mid-epoch exactly;
+    with ``batch_pairs`` its keys are ``(index, pair)`` (:class:`ResumableSampler`)."""
     seed = run_seed() if seed is None else seed
     # Its own generator: a plain DataLoader draws its workers' base seed from the global RNG each time an
     # iterator is made, and the resumed epoch makes one more than an uninterrupted run, so every later
@@ -93,7 +121,9 @@ def resumable_loader(
     return StatefulDataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=ResumableSampler(dataset, num_replicas=world_size, rank=rank, seed=seed),
+        sampler=ResumableSampler(
+            dataset, world_size, rank, seed, batch_pairs=batch_pairs, batch_size=batch_size
+        ),
         drop_last=True,
         num_workers=num_workers,
         pin_memory=pin_memory,

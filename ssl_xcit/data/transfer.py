@@ -63,7 +63,8 @@ def augment_batch(
         # with the batch, so nothing is read back from the device.
         images = decode_batch(crops, crops.rois.device)  # adds the files it decoded on the CPU
         fallbacks = crops.fallbacks
-        crops = cut_crops(images, crops.rois, crops.flips, reader.sizes)
+        sides = reader.sizes if crops.crop_sizes is None else crops.crop_sizes  # the batch's, in a size mix
+        crops = cut_crops(images, crops.rois, crops.flips, sides)
         gram = reader.geometry.num_gram_crops  # cut last (MultiCropGeometry.plan)
     elif isinstance(crops, dict) and "gram_crops" in crops:  # uint8 crops already cut
         gram = len(crops["gram_crops"])

@@ -30,6 +30,8 @@ judges ``evaluated_network``. docs/training.md lists where this still differs fr
 from __future__ import annotations
 
 import copy
+import inspect
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -44,9 +46,11 @@ from ssl_xcit.dino.distill_teacher import FrozenTeacher, head_from_state, read_t
 from ssl_xcit.dino.ibot import MaskedPatches
 from ssl_xcit.dino.koleo import koleo_loss
 from ssl_xcit.dino.module import DINO
+from ssl_xcit.dino.optim import objective_optimisation
 from ssl_xcit.dino.step import NUM_GLOBAL_CROPS, StepLosses
 from ssl_xcit.dino.student_ema import ema_update_
 from ssl_xcit.errors import UserError
+from ssl_xcit.trainer.meta_start import meta_start_enabled
 
 OBJECTIVES = ("dino", "dinov3", "features")
 _HEADED = ("dino", "dinov3")  # the objectives that distil from the teacher's DINO head
@@ -75,6 +79,18 @@ class Distill(DINO):
             ``features`` (token regression); see the module docstring.
         teacher_resolution: side of the square input the teacher sees; the global crops are resized to it
             (None: the global crop size, no resize).
+        teacher_to_student_resolution_scale: the teacher sees the global crops as the data gives them, the
+            student sees them downsampled by this factor (bilinear, antialiased), so a ConvNeXt student (stride
+            32) meets a ViT/16 teacher's patch grid at 2.0 (DINOv3's ConvNeXt distillation configs,
+            dinov3/configs/train/distillation_convnext/*.yaml: ``crops.teacher_to_student_resolution_scale``).
+            Its iBOT masks are drawn on the student's grid. 1.0: both see the same crops.
+        head_last_layer: the student heads' last layer; None picks each objective's reference: ``linear``
+            (DINOv3's plain trainable layer, dinov3/layers/dino_head.py) under ``dinov3``, ``weight_norm``
+            otherwise.
+        clip_mode, layerwise_decay, patch_embed_lr_mult, lr_scaling_rule: DINO's options (``ssl_xcit.dino.module``);
+            None picks the objective's reference: DINOv3's distillation values under ``dinov3`` (``per_module``,
+            0.99, 0.2, ``sqrt_wrt_1024``: dinov3/configs/train/dinov3_vitl16_lvd1689m_distilled.yaml; no layer-wise
+            decay for a student without blocks, as DINOv3's rule gives), DINO's otherwise.
         cls_weight, patch_weight: weights of the CLS and patch terms of the ``features`` objective.
         **kwargs: DINO's settings (student backbone, optimisation, schedules; ``out_dim`` and ``ibot_out_dim``
             come from the teacher's heads under ``dino`` and ``dinov3``; ``momentum_teacher`` is the student
@@ -82,12 +98,20 @@ class Distill(DINO):
     """
 
     evaluated_network = "student"  # the online k-NN, export and knn read it (student_ema under dinov3)
+    # Built whole even under meta_start(): the student's head and EMA are made after DINO's networks.
+    builds_on_meta = False
 
     def __init__(
         self,
         teacher: str | None = None,
         objective: Literal["dino", "dinov3", "features"] = "features",
         teacher_resolution: int | None = None,
+        teacher_to_student_resolution_scale: float = 1.0,
+        head_last_layer: Literal["weight_norm", "linear"] | None = None,
+        clip_mode: Literal["per_parameter", "per_module"] | None = None,
+        layerwise_decay: float | None = None,
+        patch_embed_lr_mult: float | None = None,
+        lr_scaling_rule: Literal["linear_wrt_256", "sqrt_wrt_1024"] | None = None,
         cls_weight: float = 1.0,
         patch_weight: float = 1.0,
         **kwargs: Any,
@@ -97,6 +121,17 @@ class Distill(DINO):
         if teacher_resolution is not None and int(teacher_resolution) < 1:
             raise UserError(
                 f"teacher_resolution must be a positive side in pixels or null, got {teacher_resolution}"
+            )
+        scale = float(teacher_to_student_resolution_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise UserError(
+                "teacher_to_student_resolution_scale must be a positive factor (1.0: no downsampling, DINOv3's "
+                f"ConvNeXt distillation 2.0), got {teacher_to_student_resolution_scale}"
+            )
+        if scale != 1.0 and teacher_resolution is not None:
+            raise UserError(
+                f"teacher_resolution {teacher_resolution} and teacher_to_student_resolution_scale {scale} both "
+                "resize a side: set one (the scale keeps the teacher at the data's crop size)"
             )
         if not (cls_weight >= 0 and patch_weight >= 0 and cls_weight + patch_weight > 0):
             raise UserError(
@@ -116,8 +151,27 @@ class Distill(DINO):
         # RNG: under one seed the student starts from exactly the weights DINO from random init would, so the
         # two can be compared from one starting point (benchmarks/learning.py --distill).
         with torch.random.fork_rng(devices=[]):
-            frozen = read_teacher(teacher)
+            frozen = read_teacher(teacher, on_meta=meta_start_enabled())  # FSDP2: loaded after sharding
         ibot = float(kwargs.get("ibot_loss_weight", 0.0)) > 0
+        # DINOv3 never masks a distilled student (its masks only pick where the patch head learns), so its
+        # backbone needs no mask token: a ConvNeXt, which cannot take masks, distils with iBOT.
+        self.masks_student = objective != "dinov3"
+        # Resolved in place: the saved hyperparameters (read from this frame) record the layer that was built.
+        if head_last_layer is None:
+            head_last_layer = "linear" if objective == "dinov3" else "weight_norm"
+        kwargs["head_last_layer"] = head_last_layer
+        # None: the objective's reference (DINO's options, ssl_xcit.dino.module), DINOv3's distillation values
+        # under dinov3 (dinov3/configs/train/dinov3_vitl16_lvd1689m_distilled.yaml; ssl_xcit.dino.optim).
+        kwargs.update(
+            objective_optimisation(
+                objective == "dinov3",
+                kwargs.get("backbone", inspect.signature(DINO).parameters["backbone"].default),
+                clip_mode=clip_mode,
+                layerwise_decay=layerwise_decay,
+                patch_embed_lr_mult=patch_embed_lr_mult,
+                lr_scaling_rule=lr_scaling_rule,
+            )
+        )
         if objective in _HEADED:
             if frozen.head is None:
                 raise UserError(
@@ -129,11 +183,9 @@ class Distill(DINO):
                     f"{_OPTION} {teacher} has no iBOT patch head, which iBOT's term distils from: set "
                     "ibot_loss_weight 0 or use a teacher trained with iBOT and a separate patch head"
                 )
-            kwargs["out_dim"] = frozen.head.last_layer.weight_v.shape[0]
+            kwargs["out_dim"] = frozen.head.out_dim
             if ibot:
-                kwargs.update(
-                    ibot_out_dim=frozen.patch_head.last_layer.weight_v.shape[0], ibot_separate_head=True
-                )
+                kwargs.update(ibot_out_dim=frozen.patch_head.out_dim, ibot_separate_head=True)
         elif ibot:
             raise UserError(
                 "ibot_loss_weight > 0 needs --model.objective dinov3 or dino (the features objective has no iBOT "
@@ -190,13 +242,21 @@ class Distill(DINO):
 
     def configure_model(self) -> None:
         from ssl_xcit.trainer.fsdp import is_fsdp2, shard_module
+        from ssl_xcit.trainer.meta_start import capture_all, fill
         from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
 
         world_size = self.trainer.world_size
+        recipe = getattr(self.teacher, "meta_recipe", None)  # a teacher on the meta device (read_teacher)
+        targets = capture_all(self.teacher.backbone) if recipe is not None else None
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self.student):
             self.student = convert_sync_batchnorm(self.student)
         if is_fsdp2(self.trainer):
             shard_module(self, self.trainer.strategy.data_parallel_mesh, str(self.trainer.precision))
+        if recipe is not None:  # each rank's shards of the teacher's backbone, read from SOURCE
+            device = self.trainer.strategy.root_device if is_fsdp2(self.trainer) else torch.device("cpu")
+            self.teacher.backbone.to_empty(device=device)
+            fill(self.teacher.backbone, recipe, targets, device)
+            self.teacher.meta_recipe = None
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.backbone.compile(dynamic=False)
@@ -220,6 +280,29 @@ class Distill(DINO):
         return getattr(self, self.evaluated_network).backbone(x)
 
     # --------------------------------------------------------------------------------------- the step
+    def student_side(self, height: int, width: int) -> tuple[int, int]:
+        """The size of the student's global crops, for the data's ``height`` x ``width`` ones."""
+        scale = float(self.hparams.teacher_to_student_resolution_scale)
+        return (height, width) if scale == 1.0 else (round(height / scale), round(width / scale))
+
+    def student_crops(self, crops: list[Tensor]) -> list[Tensor]:
+        """``crops`` as the student sees them: the global ones downsampled by
+        ``teacher_to_student_resolution_scale`` (bilinear, antialiased, as DINOv3's multidist_meta_arch.py),
+        the local ones as they are."""
+        size = self.student_side(*crops[0].shape[-2:])
+        if size == tuple(crops[0].shape[-2:]):
+            return crops
+        scaled = [
+            F.interpolate(c, size=size, mode="bilinear", align_corners=False, antialias=True)
+            for c in crops[:NUM_GLOBAL_CROPS]
+        ]
+        return scaled + list(crops[NUM_GLOBAL_CROPS:])
+
+    def draw_masks(self, global_crop: Tensor, seed: list[int]) -> MaskedPatches:
+        # On the student's patch grid: an empty stand-in of the downsampled crop's shape and device.
+        shape = (global_crop.shape[0], 0, *self.student_side(*global_crop.shape[-2:]))
+        return super().draw_masks(global_crop.new_empty(shape), seed)
+
     def teacher_tokens(self, global_crops: Tensor) -> tuple[Tensor, Tensor]:
         """The teacher's CLS and patch tokens of all global crops (G*B, 3, H, W) in one forward, no grad, at
         ``teacher_resolution``."""
@@ -245,9 +328,10 @@ class Distill(DINO):
             raise ValueError(
                 f"distillation needs {NUM_GLOBAL_CROPS} global crops of one size, got {sorted(sizes)}"
             )
-        global_crops = torch.cat(crops[:NUM_GLOBAL_CROPS])
-        teacher_cls, teacher_patches = self.teacher_tokens(global_crops)
+        teacher_cls, teacher_patches = self.teacher_tokens(torch.cat(crops[:NUM_GLOBAL_CROPS]))
+        crops = self.student_crops(crops)
         if self.hparams.objective == "features":
+            global_crops = torch.cat(crops[:NUM_GLOBAL_CROPS])
             return self._features_losses(global_crops, teacher_cls, teacher_patches, batch_size)
         if self.hparams.objective == "dinov3" and len(crops) == NUM_GLOBAL_CROPS:
             self._warn_no_local_crops()

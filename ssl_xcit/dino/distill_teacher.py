@@ -10,17 +10,27 @@ neither a class token nor a pooling head is refused in one line.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import warnings
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from ssl_xcit.dino.head import DINOHead
-from ssl_xcit.dino.init_from import TIMM_PREFIX, read_source_file, timm_model, weights_from_checkpoint
+from ssl_xcit.dino.init_from import (
+    TIMM_PREFIX,
+    nest_meta_layout,
+    read_source_file,
+    timm_model,
+    weights_from_checkpoint,
+)
+from ssl_xcit.dino.mapped_source import read_mapped_checkpoint
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.registry import as_backbone
+from ssl_xcit.trainer.meta_start import record
 
 OPTION = "--model.teacher"
 
@@ -36,15 +46,21 @@ def head_from_state(state: Mapping[str, Tensor]) -> DINOHead:
             if (m := re.fullmatch(r"mlp\.(\d+)\.weight", k)) and state[k].ndim == 2
         )
         linears = [state[f"mlp.{i}.weight"] for i in index]
-    if not linears or "last_layer.weight_v" not in state:
-        raise UserError(f"not a DINO head state (keys {sorted(state)[:6]})")
+    # DINO's and DINOv2's weight-normalised last layer, or DINOv3's plain one (Meta's training checkpoints).
+    last = "last_layer.weight_v" if "last_layer.weight_v" in state else "last_layer.weight"
+    if not linears or last not in state:
+        raise UserError(
+            f"not a DINO head state (keys {sorted(state)[:6]}): a DINO head has mlp.*.weight and "
+            "last_layer.weight_v (DINO, DINOv2) or last_layer.weight (DINOv3)"
+        )
     head = DINOHead(
         in_dim=linears[0].shape[1],
-        out_dim=state["last_layer.weight_v"].shape[0],
+        out_dim=state[last].shape[0],
         use_bn=any(k.endswith("running_mean") for k in state),
         nlayers=len(linears),
         hidden_dim=linears[0].shape[0],
         bottleneck_dim=linears[-1].shape[0],
+        last_layer="weight_norm" if last == "last_layer.weight_v" else "linear",
     )
     head.load_state_dict(dict(state), strict=True)
     return head
@@ -144,8 +160,13 @@ def _timm_teacher(spec: str) -> nn.Module:
         return timm_model(spec, OPTION, num_classes=0)
 
 
-def read_teacher(source: str | None) -> FrozenTeacher:
-    """The frozen teacher of SOURCE (see the module docstring); one-line ``UserError`` for a bad source."""
+def read_teacher(source: str | None, on_meta: bool = False) -> FrozenTeacher:
+    """The frozen teacher of SOURCE (see the module docstring); one-line ``UserError`` for a bad source.
+
+    ``on_meta`` (FSDP2's meta-device start): a one-file SOURCE is read memory-mapped and the backbone is built
+    and loaded on the meta device, recorded (``ssl_xcit.trainer.meta_start``); its ``meta_recipe`` fills each
+    rank's shards after sharding (``Distill.configure_model``), one tensor at a time, so no rank ever holds it
+    whole. The heads are read whole."""
     from ssl_xcit.models.checkpoint import backbone_from_checkpoint
 
     source = "" if source is None else str(source).strip()
@@ -155,10 +176,15 @@ def read_teacher(source: str | None) -> FrozenTeacher:
         model = _timm_teacher(source[len(TIMM_PREFIX) :])
         size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))[-1]
         return FrozenTeacher(as_backbone(model, source[len(TIMM_PREFIX) :]), source, probe_size=int(size))
-    checkpoint = read_source_file(source, OPTION)  # a one-line error for a missing or unreadable file
+    mapped = read_mapped_checkpoint(source) if on_meta else None
+    # One line for a missing or unreadable file (read_source_file's).
+    checkpoint = nest_meta_layout(mapped if mapped is not None else read_source_file(source, OPTION))
     weights = weights_from_checkpoint(checkpoint, source)
+    recording = record() if mapped is not None else contextlib.nullcontext()
     try:
-        backbone = backbone_from_checkpoint(checkpoint, source)  # the file is read once, however large
+        with recording as recipe, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")  # recorded
+            backbone = backbone_from_checkpoint(checkpoint, source)  # the file is read once, however large
     except UserError as error:
         raise UserError(f"{OPTION} {source}: {error}") from error
     heads = {
@@ -166,4 +192,7 @@ def read_teacher(source: str | None) -> FrozenTeacher:
         for part in ("head", "patch_head")
         if part in weights.teacher
     }
-    return FrozenTeacher(backbone, source, probe_size=4 * backbone.size_multiple, **heads)
+    with torch.device("meta") if recipe is not None else contextlib.nullcontext():  # the probe's input
+        teacher = FrozenTeacher(backbone, source, probe_size=4 * backbone.size_multiple, **heads)
+    teacher.meta_recipe = recipe
+    return teacher

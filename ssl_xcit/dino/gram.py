@@ -38,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ssl_xcit.data.crops import gram_crop_side
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import PATCH_TOKEN_FAMILIES
 from ssl_xcit.trainer.fsdp import load_whole_state, local_tensors, reshard
@@ -117,10 +118,10 @@ def check_gram_settings(hp: Mapping[str, Any], backbone: nn.Module) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise UserError(f"{name} must be an integer >= 0, got {value!r}")
     scale = hp.get("gram_resolution_scale", 1)
-    if isinstance(scale, bool) or scale not in (1, 2):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1 <= scale <= 2:
         raise UserError(
-            f"gram_resolution_scale must be 1 or 2 (the Gram teacher's crop side / the student's), "
-            f"got {scale!r}"
+            f"gram_resolution_scale must be a number from 1 to 2 (the Gram teacher's crop side / the student's; "
+            f"DINOv3: 2, and 1.5 in its high-resolution stage), got {scale!r}"
         )
     source = hp.get("gram_teacher")
     # The source itself is read when a fresh fit starts (read_gram_source): a checkpoint of a run that holds
@@ -163,7 +164,7 @@ class GramTeacher(nn.Module):
         max_refreshes: at most this many replacements.
         source: any SOURCE ``--model.init_from`` reads, loaded by :func:`read_gram_source` when a fit starts
             (then ``initialised``), or None for the snapshot.
-        resolution_scale: the Gram teacher's crop side / the global crop's (1 or 2; the loader cuts them).
+        resolution_scale: the Gram teacher's crop side / the global crop's (1 to 2; the loader cuts them).
         remove_negative: negative similarities count as 0 (DINOv3's ``remove_neg``).
     """
 
@@ -176,7 +177,7 @@ class GramTeacher(nn.Module):
         refresh_every: int = 0,
         max_refreshes: int = 3,
         source: str | os.PathLike | None = None,
-        resolution_scale: int = 1,
+        resolution_scale: float = 1,
         remove_negative: bool = False,
     ) -> None:
         super().__init__()
@@ -189,18 +190,22 @@ class GramTeacher(nn.Module):
         self.weight = float(weight)
         self.start_step, self.refresh_every, self.max_refreshes = start_step, refresh_every, max_refreshes
         self.source = None if source is None else str(source)
-        self.resolution_scale, self.remove_negative = int(resolution_scale), bool(remove_negative)
+        scale = float(resolution_scale)
+        self.resolution_scale = int(scale) if scale.is_integer() else scale  # 1, 1.5, 2, as given
+        self.remove_negative = bool(remove_negative)
         self.initialised = False  # host facts: no device read decides anything
+        self.eval_mode = False  # teacher_mode eval (DINOv3's): the backbone in eval mode, whatever the tree's
         self.refreshes = 0
 
     def train(self, mode: bool = True) -> GramTeacher:
         """The Gram teacher computes its features as the EMA teacher does while training: in train mode, its
         BatchNorms (XCiT's stem and LPI) with batch statistics, whatever mode the module tree is put in, so
         training and validation see the same term. It has no drop path; its BatchNorms' momentum is 0, so
-        their running statistics stay those of the teacher it was taken from. (DINOv3's Gram teacher runs in
-        eval mode, which is the same for its ViTs, which have no BatchNorm.)"""
+        their running statistics stay those of the teacher it was taken from. With ``eval_mode`` (the model's
+        ``teacher_mode: eval``, DINOv3's: its Gram teacher runs in eval mode) the backbone is in eval mode instead,
+        in training and validation alike."""
         super().train(mode)
-        self.backbone.train(True)
+        self.backbone.train(not getattr(self, "eval_mode", False))
         return self
 
     # -------------------------------------------------------------------------------------- schedule
@@ -305,15 +310,32 @@ def read_gram_source(module: Any) -> None:
     """``on_fit_start``: read the fixed Gram teacher (``gram_teacher``, any SOURCE ``--model.init_from`` reads:
     its teacher backbone) into a run whose checkpoint does not hold it yet: a fresh run, or one resumed with the
     term newly switched on. A one-line UserError names a SOURCE that does not fit the model's architecture."""
-    from ssl_xcit.dino.init_from import source_backbone_state
+    from torch.distributed.tensor import DTensor
+
+    from ssl_xcit.dino.init_from import (
+        _describe,
+        fitted_backbone_state,
+        source_backbone_state,
+        weights_from_checkpoint,
+    )
+    from ssl_xcit.dino.mapped_source import read_mapped_checkpoint
 
     gram = module.gram_teacher
     if gram is None or gram.source is None or gram.initialised:
         return
     source = str(module.hparams.init_from if gram.source == INIT_FROM else gram.source)
-    state = source_backbone_state(
-        source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
-    )
+    # Sharded (FSDP2): a one-file SOURCE is read memory-mapped, so each rank reads only its own slices.
+    sharded = any(isinstance(p, DTensor) for p in gram.backbone.parameters())
+    mapped = read_mapped_checkpoint(source) if sharded else None
+    if mapped is not None:
+        state = fitted_backbone_state(
+            weights_from_checkpoint(mapped, source).teacher["backbone"], gram.backbone,
+            "Gram teacher backbone", _describe(module.hparams), f"--model.gram_teacher {source}",
+        )  # fmt: skip
+    else:
+        state = source_backbone_state(
+            source, gram.backbone, module.hparams, "--model.gram_teacher", "Gram teacher backbone"
+        )
     with torch.no_grad():
         load_whole_state(gram.backbone, state, strict=True)
     gram.initialised = True
@@ -358,7 +380,7 @@ def check_gram_crops(model: Any, crops: list[torch.Tensor], gram_crops: list[tor
             )
         return
     b, c, h, w = crops[0].shape
-    want = (b, c, h * gram.resolution_scale, w * gram.resolution_scale)
+    want = (b, c, gram_crop_side(h, gram.resolution_scale), gram_crop_side(w, gram.resolution_scale))
     got = [tuple(t.shape) for t in gram_crops] if gram_crops is not None else None
     if got != [want] * NUM_GRAM_CROPS:
         raise UserError(

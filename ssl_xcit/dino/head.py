@@ -1,14 +1,21 @@
-"""DINO projection head: MLP -> 256-d bottleneck -> L2 normalisation -> weight-normalised linear layer.
+"""DINO projection head: MLP -> 256-d bottleneck -> L2 normalisation -> last linear layer.
 
-The state keys match the official DINO checkpoints (``mlp.{0,2,4}.*``, ``last_layer.weight_g``,
-``last_layer.weight_v``), so heads can be loaded from and saved to the reference format unchanged.
+The last layer is DINO's and DINOv2's weight-normalised linear layer (``last_layer="weight_norm"``, state keys
+``last_layer.weight_g``, ``last_layer.weight_v`` as in the official DINO checkpoints) or DINOv3's plain trainable
+``nn.Linear`` without bias (``last_layer="linear"``, key ``last_layer.weight``, trunc-normal 0.02 like the MLP:
+dinov3/layers/dino_head.py). Either way the state keys match the reference's, so heads load from and save to
+the reference formats unchanged.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+LAST_LAYERS = ("weight_norm", "linear")
 
 
 class WeightNormLinear(nn.Module):
@@ -49,10 +56,12 @@ class DINOHead(nn.Module):
         out_dim: number of prototypes K (65536 on ImageNet; a few thousand for small datasets).
         use_bn: BatchNorm after each hidden Linear (off in the reference ViT/XCiT recipes).
         norm_last_layer: fix ``weight_g`` to 1 and freeze it, i.e. a cosine-similarity last layer. More
-            stable; the XCiT-S and ViT-S recipes turn it off for a little more accuracy.
+            stable; the XCiT-S and ViT-S recipes turn it off for a little more accuracy. Applies to the
+            weight-normalised last layer only (a plain layer has no norm to fix).
         nlayers: MLP depth (>= 1); the last MLP layer maps to the bottleneck with no activation.
         hidden_dim: width of the hidden MLP layers.
         bottleneck_dim: size of the L2-normalised embedding fed to the last layer.
+        last_layer: ``weight_norm`` (DINO, DINOv2) or ``linear`` (DINOv3: a plain trainable layer).
     """
 
     def __init__(
@@ -64,8 +73,11 @@ class DINOHead(nn.Module):
         nlayers: int = 3,
         hidden_dim: int = 2048,
         bottleneck_dim: int = 256,
+        last_layer: Literal["weight_norm", "linear"] = "weight_norm",
     ) -> None:
         super().__init__()
+        if last_layer not in LAST_LAYERS:
+            raise ValueError(f"last_layer must be one of {', '.join(LAST_LAYERS)}, got {last_layer!r}")
         nlayers = max(nlayers, 1)
         if nlayers == 1:
             self.mlp: nn.Module = nn.Linear(in_dim, bottleneck_dim)
@@ -81,10 +93,21 @@ class DINOHead(nn.Module):
                 layers.append(nn.GELU())
             layers.append(nn.Linear(hidden_dim, bottleneck_dim))
             self.mlp = nn.Sequential(*layers)
-        self.apply(self._init_weights)
-        self.last_layer = WeightNormLinear(bottleneck_dim, out_dim)
-        if norm_last_layer:
-            self.last_layer.weight_g.requires_grad = False
+        self.last_layer: nn.Module
+        if last_layer == "linear":
+            # DINOv3 builds the plain layer with the MLP and initialises all of them trunc-normal 0.02.
+            self.last_layer = nn.Linear(bottleneck_dim, out_dim, bias=False)
+            self.apply(self._init_weights)
+        else:
+            self.apply(self._init_weights)
+            self.last_layer = WeightNormLinear(bottleneck_dim, out_dim)
+            if norm_last_layer:
+                self.last_layer.weight_g.requires_grad = False
+
+    @property
+    def out_dim(self) -> int:
+        """The number of prototypes K (rows of the last layer, whichever its kind)."""
+        return int(getattr(self.last_layer, "weight_v", self.last_layer.weight).shape[0])
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -7,12 +7,17 @@ SOURCE is one of
   its student stands for the teacher, and a ``features`` run's linear projections, not a DINO head, are left
   out (the head starts fresh);
 * the official DINO full checkpoint (``{"student", "teacher", "dino_loss", ...}``, ``module.`` prefixes);
+* Meta's DINOv2/DINOv3 training checkpoints: a gathered training folder (``ssl-xcit gather-checkpoint``:
+  ``model`` with ``student.*`` and ``teacher.*``, their heads named ``dino_head`` and ``ibot_head``) or an eval
+  ``teacher_checkpoint.pth`` (``{"teacher": {backbone.*, dino_head.*, ibot_head.*}}``, both networks from it);
+  DINOv3's heads have a plain last layer (``--model.head_last_layer linear``);
 * any backbone-only file :func:`ssl_xcit.models.checkpoint.load_pretrained` reads: ``ssl-xcit export``
   output (``.safetensors``, ``.pth``), DINO's ``*_pretrain.pth``, timm state dicts;
 * ``timm:NAME`` (timm's pretrained weights, downloaded by timm) or ``timm:NAME@FILE`` (the same weights from a
   local file, read by timm through ``pretrained_cfg_overlay``).
 
-Student and teacher backbones start from SOURCE (each from its own side when SOURCE has both); the heads and
+Student and teacher backbones start from SOURCE (each from its own side when SOURCE has both, or both from its
+teacher with ``--model.init_from_ema true``, as DINOv3's ``resume_from_teacher_chkpt``); the heads and
 the centres are loaded when SOURCE has them, so an official full checkpoint continues as its run would have.
 A head trained with ``norm_last_layer`` false (official ViT-S/XCiT runs: their ``args``; ours: the recorded
 hyperparameters) has a learnt weight norm, which a model with ``norm_last_layer`` true would keep frozen at the
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +54,7 @@ from ssl_xcit.models.checkpoint import (
     read_checkpoint,
 )
 from ssl_xcit.models.registry import resolve
-from ssl_xcit.models.sharded import is_checkpoint
+from ssl_xcit.models.sharded import is_checkpoint, is_sharded_checkpoint, read_sharded_checkpoint
 from ssl_xcit.trainer.fsdp import load_whole_state
 
 TIMM_PREFIX = "timm:"
@@ -58,6 +63,9 @@ AUTO_HEAD_WARMUP_STEPS = 50
 # Model tensors SOURCE may lack: iBOT's mask token (training-only; released backbones have none).
 _MAY_BE_FRESH = ("mask_token",)
 _PARTS = ("backbone", "head", "patch_head")
+# Meta's DINOv2/DINOv3 training code names the heads of a network ``dino_head`` and ``ibot_head``
+# (dinov3/train/ssl_meta_arch.py: ``student``/``teacher`` ModuleDicts); ours are ``head`` and ``patch_head``.
+_META_PARTS = {"dino_head": "head", "ibot_head": "patch_head"}
 _CENTRES = ("dino_loss.center", "ibot_loss.center")
 
 
@@ -92,6 +100,7 @@ def _wrapper_parts(state: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
     parts: dict[str, dict[str, Tensor]] = {}
     for key, value in state.items():
         part, _, rest = key.partition(".")
+        part = _META_PARTS.get(part, part)
         if part not in _PARTS:
             raise UserError(f"unexpected key {key!r} beside backbone.* in a DINO network state")
         parts.setdefault(part, {})[rest] = value
@@ -121,9 +130,33 @@ def _recorded_norm_last_layer(checkpoint: Mapping[str, Any]) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
+def nest_meta_layout(checkpoint: Any) -> Any:
+    """A gathered DINOv2/DINOv3 training checkpoint flattened to ``model.*`` keys (one tensor per key, as a
+    safetensors file holds it) nested back under ``model``, as dinov3/checkpointer saves it (a DCP of
+    ``{"model": ..., "optimizer": ...}``); anything else unchanged."""
+    if not isinstance(checkpoint, Mapping) or not any(
+        str(k).startswith("model.student.") for k in checkpoint
+    ):
+        return checkpoint
+    model = {k[len("model.") :]: v for k, v in checkpoint.items() if str(k).startswith("model.")}
+    rest = {k: v for k, v in checkpoint.items() if not str(k).startswith(("model.", "optimizer."))}
+    return rest | {"model": model}
+
+
+def _meta_training_state(checkpoint: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The model state of a gathered DINOv2/DINOv3 training checkpoint (keys ``student.backbone.*``,
+    ``student.dino_head.*``, ``teacher.*`` under ``model``); None for any other layout."""
+    model = nest_meta_layout(checkpoint).get("model")
+    if is_tensor_dict(model) and any(k.startswith("student.backbone.") for k in model):
+        return model
+    return None
+
+
 def weights_from_checkpoint(checkpoint: Mapping[str, Any], label: str) -> InitWeights:
     """Sort a loaded checkpoint into :class:`InitWeights` (see the module docstring for the layouts)."""
     state = checkpoint.get("state_dict") if isinstance(checkpoint, Mapping) else None
+    if not is_tensor_dict(state) and isinstance(checkpoint, Mapping):
+        state = _meta_training_state(checkpoint)  # Meta's own training checkpoint, gathered
     norm = _recorded_norm_last_layer(checkpoint) if isinstance(checkpoint, Mapping) else None
     if is_tensor_dict(state) and any(k.startswith("student.backbone.") for k in state):  # ours (Lightning)
         # A distillation checkpoint (ssl_xcit.dino.distill) saves no teacher: its student EMA (dinov3) or its
@@ -209,7 +242,14 @@ def read_source_file(source: str, option: str = "--model.init_from") -> Mapping[
             f"{option} {source}: file not found (a .ckpt, .safetensors or .pth, a folder of FSDP2 shards, or "
             "timm:NAME[@FILE])"
         )
+    if is_sharded_checkpoint(source):  # only the networks and loss centres: never the optimiser state
+        return read_sharded_checkpoint(source, state_keys=_init_key, optimizer=False)
     return read_checkpoint(source)
+
+
+def _init_key(key: str) -> bool:
+    """A model key SOURCE's weights come from: a student, teacher or student-EMA tensor, or a loss centre."""
+    return key.split(".", 1)[0] in ("student", "teacher", "student_ema") or key in _CENTRES
 
 
 def _short(keys: list[str], n: int = 4) -> str:
@@ -292,7 +332,8 @@ def _head_state(weights: InitWeights, side: str, part: str, module: Any) -> dict
         raise UserError(
             f"--model.init_from {weights.label}: its {side} {part.replace('_', ' ')} does not fit the model's "
             f"({problem}); set out_dim, head_hidden_dim, head_bottleneck_dim, head_nlayers and use_bn_in_head "
-            "as in the run that wrote it, or start from its backbone alone (ssl-xcit export)"
+            "(and head_last_layer: weight_norm for DINO/DINOv2 heads, linear for DINOv3's) as in the run that "
+            "wrote it, or start from its backbone alone (ssl-xcit export)"
         )
     return got
 
@@ -381,7 +422,10 @@ def start_from_source(module: Any) -> None:
     if not source or module.init_state is not None or module.trainer.ckpt_path is not None:
         return
     check_timm_architecture(str(source), module.hparams.backbone)
-    loaded = apply_weights(module, read_source(str(source)))
+    weights = read_source(str(source))
+    if module.hparams.get("init_from_ema"):  # DINOv3's resume_from_teacher_chkpt: both from the EMA
+        weights = replace(weights, student=weights.teacher)
+    loaded = apply_weights(module, weights)
     fresh = fresh_heads(module.student, loaded)
     wanted = module.hparams.get("init_head_warmup_steps")
     steps = (AUTO_HEAD_WARMUP_STEPS if fresh else 0) if wanted is None else int(wanted)

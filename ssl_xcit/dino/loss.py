@@ -147,9 +147,14 @@ class DINOLoss(TeacherTargets):
         teacher_output: torch.Tensor,
         epoch: int,
         update_center: bool = True,
+        local_weight: float = 1.0,
     ) -> DINOLossOutput:
         """``student_output``: (V*B, K) logits of all V views, view-major; ``teacher_output``: (G*B, K)
-        logits of the G global views. Pairs where student and teacher see the same view are skipped."""
+        logits of the G global views. Pairs where student and teacher see the same view are skipped.
+
+        ``local_weight`` scales the pairs of a local (student) view, and the sum is still divided by the count
+        of all pairs, as DINOv3's ``compute_losses`` (``dinov3/train/ssl_meta_arch.py``): its global and local
+        terms are means weighted by their shares of the pairs, the local one times the weight. 1: DINO's mean."""
         n_global = self.num_global_crops
         if teacher_output.shape[0] % n_global:
             raise ValueError(
@@ -163,7 +168,9 @@ class DINOLoss(TeacherTargets):
         n_views = student_output.shape[0] // batch
 
         with float32_math(student_output.device):
-            return self._loss(student_output.float(), teacher_output.float(), n_views, epoch, update_center)
+            return self._loss(
+                student_output.float(), teacher_output.float(), n_views, epoch, update_center, local_weight
+            )
 
     def _loss(
         self,
@@ -172,6 +179,7 @@ class DINOLoss(TeacherTargets):
         n_views: int,
         epoch: int,
         update: bool,
+        local_weight: float = 1.0,
     ) -> DINOLossOutput:
         # Float32 with autocast off (``forward``), as DINOv2: log-softmax over 65536 prototypes in half
         # precision loses the tail, and autocast would run any product written here in half precision.
@@ -185,7 +193,9 @@ class DINOLoss(TeacherTargets):
             for v in range(n_views):
                 if v == iq:
                     continue  # same view for teacher and student
-                total = total + torch.sum(-q * student_logp[v], dim=-1).mean()
+                term = torch.sum(-q * student_logp[v], dim=-1).mean()
+                # A host float: the default weight 1 adds the term as DINO's loop does (no extra product).
+                total = total + (term if v < n_global or local_weight == 1.0 else local_weight * term)
                 n_terms += 1
         loss = total / n_terms
 

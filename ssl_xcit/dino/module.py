@@ -2,16 +2,17 @@
 
 One training step, top to bottom (``main_dino.py:train_one_epoch``):
 
-1. set lr (all groups) and weight decay (group 0 only) from the per-iteration schedules at ``global_step``;
-2. teacher forward on the 2 global crops (no grad, train mode), student forward on all crops, batched
-   by resolution (one backbone pass per crop size), DINO loss (+ centre update), plus ``koleo_weight`` x
-   DINOv2's KoLeo term on the student's global-crop embeddings when that weight is > 0, plus
-   ``ibot_loss_weight`` x iBOT's masked patch term when that weight is > 0 (half of the student's global
-   crops get block masks; the teacher sees them unmasked; ``ssl_xcit.dino.ibot``). ``compute_losses`` is
-   this step's math, shared with ``validation_step``;
+1. set lr (all groups, times each group's multiplier) and weight decay (the regularised groups) from the
+   per-iteration schedules at ``global_step``;
+2. teacher forward on the 2 global crops (no grad; train mode as the reference, eval under ``teacher_mode``),
+   student forward on all crops, batched by resolution (one backbone pass per crop size), DINO loss (+ centre
+   update; ``local_crops_weight`` on its local pairs), plus ``koleo_weight`` x DINOv2's KoLeo term on the
+   student's global-crop embeddings when that weight is > 0, plus ``ibot_loss_weight`` x iBOT's masked patch
+   term when that weight is > 0 (half of the student's global crops get block masks; the teacher sees them
+   unmasked; ``ssl_xcit.dino.ibot``). ``compute_losses`` is this step's math, shared with ``validation_step``;
 3. record on the device whether the loss is finite (read every ``sync_every_n_steps`` steps:
    ``ssl_xcit.trainer.step_checks``);
-4. backward; per-parameter gradient clipping; last-layer gradients dropped while epoch < freeze_last_layer;
+4. backward; gradient clipping (per parameter, or per submodule: ``clip_mode``); last-layer gradients dropped while epoch < freeze_last_layer;
    optimiser step;
 5. EMA of the student's parameters into the teacher with the per-iteration momentum.
 
@@ -34,8 +35,9 @@ from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.init_from import check_init_settings
 from ssl_xcit.dino.loss import DINOLoss, TeacherTargets
 from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
+from ssl_xcit.dino.optim import apply_schedules
 from ssl_xcit.dino.optimizer_step import before_optimizer_step, ema_update, gradient_sync, window_step
-from ssl_xcit.dino.schedules import Schedules
+from ssl_xcit.dino.schedules import Schedules, local_weight_ramp
 from ssl_xcit.dino.step import (
     NUM_GLOBAL_CROPS,
     StepLosses,
@@ -48,6 +50,7 @@ from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
 from ssl_xcit.models.activation_checkpointing import enable_activation_checkpointing
 from ssl_xcit.trainer.lifecycle import DINOLifecycle
+from ssl_xcit.trainer.meta_start import meta_device_if, recorded_construction
 from ssl_xcit.trainer.step_checks import FiniteWatch, HostAgreement
 
 
@@ -67,6 +70,9 @@ class DINO(DINOLifecycle):
         out_dim: prototypes K. 65536 for ImageNet; small datasets collapse less with a few thousand.
         norm_last_layer: freeze the last layer's weight norm at 1 (stable; False is a little better for
             XCiT-S/ViT-S but can be unstable).
+        head_last_layer: the heads' last layer: ``weight_norm`` (DINO's and DINOv2's weight-normalised layer,
+            whose norm ``norm_last_layer`` may freeze) or ``linear`` (DINOv3's plain trainable layer,
+            dinov3/layers/dino_head.py; ``norm_last_layer`` does not apply to it).
         use_bn_in_head: BatchNorm in the head MLP (off in the reference ViT/XCiT runs).
         head_hidden_dim, head_bottleneck_dim, head_nlayers: head shape (2048, 256, 3 in every DINO run).
         warmup_teacher_temp: teacher temperature at epoch 0. Lower sharpens more (0.02 fights collapse on
@@ -83,7 +89,8 @@ class DINO(DINOLifecycle):
         min_lr: end of the cosine LR schedule.
         warmup_epochs: linear LR warm-up from 0 (10 in the reference).
         weight_decay, weight_decay_end: cosine weight-decay schedule 0.04 -> 0.4 on weights only.
-        clip_grad: per-parameter gradient-norm clip (0 disables); 3.0 in the reference.
+        clip_grad: gradient-norm clip (0 disables; per parameter or per submodule: ``clip_mode``); 3.0 in the
+            reference.
         freeze_last_layer: epochs during which the head's last layer is not updated; stabilises the start.
         optimizer: ``adamw`` (reference default for transformers), ``sgd`` or ``lars`` (for ResNets).
         fused_optimizer: torch's fused AdamW/SGD kernel (one launch for all parameters). None (default): fused
@@ -105,6 +112,9 @@ class DINO(DINOLifecycle):
         koleo_weight: weight of DINOv2's KoLeo regulariser on the student's global-crop embeddings (0 = off,
             as in DINO; DINOv2 uses 0.1). It spreads the batch apart, which small data needs to escape the
             uniform collapse (``ssl_xcit.dino.koleo``).
+        koleo_group_size: None (default): KoLeo spreads each rank's batch on its own (DINOv2); N: over groups of N
+            consecutive images of the global batch, gathered across ranks when a group spans them (DINOv3's
+            ``koleo_loss_distributed`` with ``koleo_distributed_loss_group_size``; 16 in its high-resolution stage).
         ibot_loss_weight: weight of iBOT's masked patch distillation (0 = off, as in DINO; DINOv2 uses 1.0).
             It trains the patch tokens that VLAD/ASMK retrieve with; XCiT, ViT and CaiT only (docs/ibot.md).
         ibot_separate_head: a patch head of its own (DINOv2) or the DINO head shared (iBOT).
@@ -140,7 +150,8 @@ class DINO(DINOLifecycle):
             for init_from's SOURCE (the model a continued run started from); None (default) snapshots the EMA
             teacher at that step.
         gram_resolution_scale: the Gram teacher's own crops (the datamodule cuts them: each global crop's box
-            and flip, undistorted) at this x the global side, 1 (default) or 2 (DINOv3's); its patch features
+            and flip, undistorted) at this x the global side, 1 (default) to 2 (DINOv3's; 1.5 in its
+            high-resolution stage); its patch features
             are resized bicubically to the student's grid.
         gram_remove_negative: count negative similarities as 0 on both sides (DINOv3's ``remove_neg``; off, as in
             its 7B config).
@@ -150,9 +161,32 @@ class DINO(DINOLifecycle):
             late, but never saved: a checkpoint is written only after a read (docs/training.md).
         init_from: start a fresh fit from pretrained weights (continued pretraining): a checkpoint or export
             of ours, an official DINO file, or ``timm:NAME[@FILE]`` (``ssl_xcit.dino.init_from``, docs/training.md).
+        init_from_ema: start the student from SOURCE's EMA network too (its teacher, or a ``dinov3``
+            distillation's student EMA), as DINOv3's ``resume_from_teacher_chkpt`` does; false: the student from
+            SOURCE's student, where SOURCE has one.
         init_head_warmup_steps: optimiser steps during which only the head trains after ``init_from``
             (null: automatic, a few steps when SOURCE lacks any of the model's heads, DINO or iBOT, else 0).
+        clip_mode: ``per_parameter`` (DINO's ``utils.clip_gradients``: each gradient tensor to norm
+            ``clip_grad``) or ``per_module`` (DINOv3's ``train.py``: ``clip_grad_norm_`` of the student's backbone,
+            DINO head and iBOT head, each as one vector; far stricter at the same ``clip_grad``).
+        layerwise_decay: lr multiplier ``layerwise_decay ** (depth + 1 - layer id)`` of each backbone parameter
+            (DINOv3's ``param_groups.py``: embeddings and tokens are layer 0, block i is i + 1, the final norm
+            and heads depth + 1); 1.0 (default) is off, DINOv3 uses 0.98-0.99. Backbones with ``blocks``
+            (xcit, vit, cait, bixt, dinov3) only.
+        patch_embed_lr_mult: an extra lr multiplier of the patch embedding (DINOv3: 0.2; 1.0 is off).
+        lr_scaling_rule: with ``scale_lr_with_batch``, ``linear_wrt_256`` (DINO: lr x batch / 256) or
+            ``sqrt_wrt_1024`` (DINOv3: lr and min_lr x 4 sqrt(batch / 1024)).
+        final_momentum_teacher: the EMA momentum's end on its cosine from ``momentum_teacher`` (1.0, DINO's);
+            equal to ``momentum_teacher`` holds it constant (DINOv3's Gram and high-resolution stages: 0.999).
+        local_crops_weight: the weight of the DINO term's local-crop pairs, reached from 1 along the Gram ramp
+            (``gram_start_step``, ``gram_weight_warmup_steps``) and held (DINOv3's 7B run: 0.5; 1.0 is off).
+        teacher_mode: the mode the EMA and Gram teachers run in while training: ``train`` (DINO's reference:
+            XCiT's BatchNorms with batch statistics) or ``eval`` (DINOv3's: no train-time augmentation such as
+            RoPE's coordinate rescaling in the targets; BatchNorms with running statistics).
     """
+
+    # Whether meta_start() (the CLI under --trainer.strategy fsdp2) builds the networks on the meta device.
+    builds_on_meta = True
 
     def __init__(
         self,
@@ -161,6 +195,7 @@ class DINO(DINOLifecycle):
         backbone_kwargs: dict[str, Any] | None = None,
         out_dim: int = 65536,
         norm_last_layer: bool = True,
+        head_last_layer: Literal["weight_norm", "linear"] = "weight_norm",
         use_bn_in_head: bool = False,
         head_hidden_dim: int = 2048,
         head_bottleneck_dim: int = 256,
@@ -190,6 +225,7 @@ class DINO(DINOLifecycle):
         collapse_patience: int = 50,
         collapse_grace_steps: int = 100,
         koleo_weight: float = 0.0,
+        koleo_group_size: int | None = None,
         ibot_loss_weight: float = 0.0,
         ibot_separate_head: bool = True,
         ibot_out_dim: int | None = None,
@@ -206,35 +242,57 @@ class DINO(DINOLifecycle):
         gram_refresh_every: int = 0,
         gram_max_refreshes: int = 3,
         gram_teacher: str | None = None,
-        gram_resolution_scale: int = 1,
+        gram_resolution_scale: int | float = 1,
         gram_remove_negative: bool = False,
         sync_every_n_steps: int = 50,
         init_from: str | None = None,
         init_head_warmup_steps: int | None = None,
+        clip_mode: Literal["per_parameter", "per_module"] = "per_parameter",
+        layerwise_decay: float = 1.0,
+        patch_embed_lr_mult: float = 1.0,
+        lr_scaling_rule: Literal["linear_wrt_256", "sqrt_wrt_1024"] = "linear_wrt_256",
+        final_momentum_teacher: float = 1.0,
+        local_crops_weight: float = 1.0,
+        teacher_mode: Literal["train", "eval"] = "train",
+        init_from_ema: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # Options a subclass resolves before passing them (Distill: None picks its objective's reference): under
+        # LightningCLI the hyperparameters are the command line's config, so they take the values received here.
+        self.hparams.update(
+            clip_mode=clip_mode,
+            layerwise_decay=layerwise_decay,
+            patch_embed_lr_mult=patch_embed_lr_mult,
+            lr_scaling_rule=lr_scaling_rule,
+            head_last_layer=head_last_layer,
+        )
         self.automatic_optimization = False
         check_settings(self.hparams)
         check_init_settings(init_from, init_head_warmup_steps)
         ibot_out_dim = out_dim if ibot_out_dim is None else ibot_out_dim
         self.ibot = ibot_loss_weight > 0
-        self.student, self.teacher = student_and_teacher(
-            create_model,
-            backbone,
-            dict(backbone_kwargs or {}),
-            drop_path_rate,
-            dict(
-                out_dim=out_dim,
-                use_bn=use_bn_in_head,
-                nlayers=head_nlayers,
-                hidden_dim=head_hidden_dim,
-                bottleneck_dim=head_bottleneck_dim,
-                norm_last_layer=norm_last_layer,
-            ),
-            patch_out_dim=(ibot_out_dim if ibot_separate_head else None) if self.ibot else None,
-            masking=self.ibot,
-        )
+        # Under --trainer.strategy fsdp2 the networks start on the meta device and configure_model materialises
+        # each rank's shards (ssl_xcit.trainer.meta_start); the recipe replays this construction exactly.
+        with recorded_construction(self.builds_on_meta) as self._meta_recipe:
+            self.student, self.teacher = student_and_teacher(
+                create_model,
+                backbone,
+                dict(backbone_kwargs or {}),
+                drop_path_rate,
+                dict(
+                    out_dim=out_dim,
+                    use_bn=use_bn_in_head,
+                    nlayers=head_nlayers,
+                    hidden_dim=head_hidden_dim,
+                    bottleneck_dim=head_bottleneck_dim,
+                    norm_last_layer=norm_last_layer,
+                    last_layer=head_last_layer,
+                ),
+                patch_out_dim=(ibot_out_dim if ibot_separate_head else None) if self.ibot else None,
+                masking=self.ibot,
+                mask_token=getattr(self, "masks_student", True),  # Distill under dinov3: never masked
+            )
         if activation_checkpointing:  # the student only: the teachers run without gradients
             enable_activation_checkpointing(self.student.backbone)
         self.dino_loss = DINOLoss(
@@ -262,8 +320,12 @@ class DINO(DINOLifecycle):
         for targets in self._teacher_targets():
             targets.defer_center = True
         # Gram anchoring (ssl_xcit.dino.gram): the frozen Gram teacher, or None when off.
-        self.gram_teacher = build_gram_teacher(self.hparams, self.student, self.teacher)
+        with meta_device_if(self._meta_recipe is not None):  # taken from the teacher once materialised
+            self.gram_teacher = build_gram_teacher(self.hparams, self.student, self.teacher)
+        if self.gram_teacher is not None:  # DINOv3 runs its Gram teacher in eval mode, as its EMA teacher
+            self.gram_teacher.eval_mode = teacher_mode == "eval"
         self.gram_weight_now = 0.0  # this step's weight, a host float
+        self.local_weight_now = 1.0  # this step's weight of the local crops' DINO pairs, a host float
         self.mask_sampler = MaskSampler(tuple(mask_ratio_min_max), mask_probability) if self.ibot else None
         self.ibot_out_dim = ibot_out_dim
         self.ibot_weight_now = float(ibot_loss_weight)  # this step's weight, from the schedule while training
@@ -319,6 +381,7 @@ class DINO(DINOLifecycle):
         opt = self.optimizers()
         lr, wd, momentum = self.schedules.at(self.global_step)
         self.ibot_weight_now = self.schedules.ibot_weight_at(self.global_step)
+        self.local_weight_now = self._local_weight(self.global_step)
         self._update_gram_teacher(self.global_step)
         crops = self._readable_crops(batch)
         if crops is None:  # every rank skips this batch
@@ -328,10 +391,7 @@ class DINO(DINOLifecycle):
             log_host_scalars(self, lr, wd, momentum)
             self._count_window(window_end)
             return None
-        for i, group in enumerate(opt.param_groups):
-            group["lr"] = lr
-            if i == 0:  # only the regularised group
-                group["weight_decay"] = wd
+        apply_schedules(opt, lr, wd)  # each group's lr multiplier; weight decay on the regularised groups
         masks = None
         if self.ibot:  # seeded by (run seed, rank, step, batch): a resumed run draws the same masks
             seed = [torch.initial_seed() % 2**63, self.global_rank, self.global_step, batch_idx]
@@ -365,6 +425,16 @@ class DINO(DINOLifecycle):
         if self.gram_teacher is not None:
             self.gram_teacher.update(self.teacher.backbone, step)
         self.gram_weight_now = gram_weight(self.gram_teacher, self.schedules, step)
+
+    def _local_weight(self, step: int) -> float:
+        """The local crops' DINO weight at optimiser ``step`` (``local_crops_weight`` on the Gram ramp)."""
+        if self.schedules is not None:
+            return self.schedules.local_weight_at(step)
+        hp = self.hparams  # validate/test without a fit: the same ramp, sized to reach ``step``
+        ramp = local_weight_ramp(
+            hp.local_crops_weight, hp.gram_start_step, hp.gram_weight_warmup_steps, step + 1
+        )
+        return 1.0 if ramp is None else float(ramp[step])
 
     def _readable_crops(self, batch: Any, skip_single_view: bool = False) -> list[torch.Tensor] | None:
         """The batch's crops, or None on every rank when any rank has no readable image (EmptyBatch or None)
@@ -407,6 +477,7 @@ class DINO(DINOLifecycle):
         if crops is None:
             return None
         self.gram_weight_now = gram_weight(self.gram_teacher, self.schedules, self.trained_step)
+        self.local_weight_now = self._local_weight(self.trained_step)
         masks = None
         if self.ibot:  # a stream of its own (the trailing 1): validation never replays a training draw
             seed = [torch.initial_seed() % 2**63, self.global_rank, self.trained_step, batch_idx, 1]

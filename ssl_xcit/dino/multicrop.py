@@ -152,17 +152,19 @@ def student_and_teacher(
     head_args: dict[str, Any],
     patch_out_dim: int | None = None,
     masking: bool = False,
+    mask_token: bool = True,
 ) -> tuple[MultiCropWrapper, MultiCropWrapper]:
     """DINO's student and teacher: backbone + head, the teacher an exact copy without drop path and without
     gradients. ``masking`` gives both backbones iBOT's mask token and, with ``patch_out_dim``, a patch head
     of their own, so that the teacher mirrors the student parameter for parameter (EMA, state dicts); the
-    teacher never uses its token."""
+    teacher never uses its token. ``mask_token`` false: iBOT's patch heads without the token, for a student that
+    is never masked (DINOv3's distillation), so a backbone that cannot take masks (ConvNeXt) still trains."""
     # Construction order (backbones, patch heads, heads) fixes what the seeded initialisation draws.
     nets = [create(backbone, drop_path_rate=rate, **backbone_kwargs) for rate in (drop_path_rate, 0.0)]
     args = dict(head_args, in_dim=nets[0].embed_dim)
     patch_heads: list[DINOHead | None] = [None, None]
     if masking:
-        for net in nets:
+        for net in nets if mask_token else ():
             net.enable_masking()
         if patch_out_dim is not None:
             patch_heads = [DINOHead(**dict(args, out_dim=patch_out_dim)) for _ in nets]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,18 +15,106 @@ from ssl_xcit.trainer.fsdp import local_tensors, tensor_norms
 OPTIMIZERS = ("adamw", "sgd", "lars")
 
 
-def get_params_groups(model: nn.Module) -> list[dict]:
+# DINOv3's layer 0 (``dinov3/train/param_groups.py``, ``get_vit_lr_decay_rate``): what comes before the first
+# block. Top-level parameter names of this project's backbones: the patch embedding (XCiT's convolutional stem
+# included), position embeddings (XCiT's Fourier encoding, BiXT's ``fourier_pos_encode``) and learned tokens
+# (CLS, DINOv3's registers, iBOT's mask token, BiXT's latents).
+EMBEDDING_NAMES = (
+    "patch_embed", "pos_embed", "cls_token", "reg_token", "storage_tokens", "mask_token", "latents",
+    "fourier_pos_encode",
+)  # fmt: skip
+# Names that wrappers insert (torch.compile, checkpoint wrappers), stripped as DINOv3 strips them.
+_WRAPPER_NAMES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def _plain_name(name: str) -> str:
+    for wrapper in _WRAPPER_NAMES:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def layer_id(name: str, num_blocks: int) -> int:
+    """DINOv3's layer id of backbone parameter ``name`` (``dinov3/train/param_groups.py``): 0 for the embeddings
+    and learned tokens (:data:`EMBEDDING_NAMES`), ``i + 1`` for ``blocks.i``, ``num_blocks + 1`` for everything
+    after the last block (the final norm; XCiT's class-attention and CaiT's token-only blocks)."""
+    top, _, rest = _plain_name(name).partition(".")
+    if top in EMBEDDING_NAMES:
+        return 0
+    if top == "blocks":
+        return int(rest.split(".", 1)[0]) + 1
+    return num_blocks + 1
+
+
+def lr_multiplier(name: str, num_blocks: int, layer_decay: float, patch_embed_lr_mult: float) -> float:
+    """A backbone parameter's lr multiplier as DINOv3's: ``layer_decay ** (num_blocks + 1 - layer_id)``, times
+    ``patch_embed_lr_mult`` for the patch embedding (``dinov3/train/param_groups.py``)."""
+    scale = layer_decay ** (num_blocks + 1 - layer_id(name, num_blocks))
+    if _plain_name(name).split(".", 1)[0] == "patch_embed":
+        scale *= patch_embed_lr_mult
+    return scale
+
+
+def _num_blocks(backbone: nn.Module, layer_decay: float) -> int:
+    blocks = getattr(backbone, "blocks", None)
+    if isinstance(blocks, nn.ModuleList | nn.Sequential):
+        return len(blocks)
+    if layer_decay != 1.0:
+        family = getattr(backbone, "family", type(backbone).__name__)
+        raise UserError(
+            f"layerwise_decay={layer_decay} needs a backbone with a stack of blocks (xcit, vit, cait, bixt, "
+            f"dinov3); {family} has none: use layerwise_decay 1.0"
+        )
+    return 0
+
+
+def get_params_groups(
+    model: nn.Module, layerwise_decay: float = 1.0, patch_embed_lr_mult: float = 1.0
+) -> list[dict]:
     """Two groups: regularised (index 0) and not regularised (biases and every 1-D tensor: norms, XCiT's
-    ``gamma`` layer scales). Frozen parameters are left out. Group 0 gets the weight-decay schedule."""
-    regularized, not_regularized = [], []
+    ``gamma`` layer scales). Frozen parameters are left out. Group 0 gets the weight-decay schedule.
+
+    With ``layerwise_decay`` or ``patch_embed_lr_mult`` other than 1 (DINOv3's 0.98-0.99 and 0.2), each of the two
+    splits further by the lr multiplier of :func:`lr_multiplier` for the parameters of ``model.backbone`` (the
+    heads keep 1, as DINOv3's, whose heads have no blocks); each group then carries ``lr_scale`` (its lr is the
+    schedule's times it) and ``regularized`` (whether it takes the weight-decay schedule)."""
+    decayed = layerwise_decay != 1.0 or patch_embed_lr_mult != 1.0
+    backbone = getattr(model, "backbone", None)
+    num_blocks = _num_blocks(backbone, layerwise_decay) if decayed and backbone is not None else 0
+    backbone_ids = {id(p) for p in backbone.parameters()} if decayed and backbone is not None else set()
+    prefix = "backbone."
+    groups: dict[tuple[bool, float], list] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if name.endswith(".bias") or param.ndim <= 1:
-            not_regularized.append(param)
-        else:
-            regularized.append(param)
-    return [{"params": regularized}, {"params": not_regularized, "weight_decay": 0.0}]
+        regularized = not (name.endswith(".bias") or param.ndim <= 1)
+        scale = 1.0
+        if id(param) in backbone_ids:
+            inner = _plain_name(name)
+            inner = inner[len(prefix) :] if inner.startswith(prefix) else inner
+            scale = lr_multiplier(inner, num_blocks, layerwise_decay, patch_embed_lr_mult)
+        groups.setdefault((regularized, scale if decayed else 1.0), []).append(param)
+    if not decayed:
+        return [
+            {"params": groups.get((True, 1.0), [])},
+            {"params": groups.get((False, 1.0), []), "weight_decay": 0.0},
+        ]
+    # Regularised groups first, then by decreasing multiplier: a fixed order, so checkpoints map group to group.
+    out = []
+    for (regularized, scale), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], -kv[0][1])):
+        group = {"params": params, "lr_scale": scale, "regularized": regularized}
+        if not regularized:
+            group["weight_decay"] = 0.0
+        out.append(group)
+    return out
+
+
+def apply_schedules(optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
+    """This step's lr (times each group's ``lr_scale``) on every group and weight decay on the regularised ones
+    (group 0 of the two default groups)."""
+    for i, group in enumerate(optimizer.param_groups):
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+        if group.get("regularized", i == 0):
+            group["weight_decay"] = weight_decay
 
 
 class LARS(torch.optim.Optimizer):
@@ -143,6 +232,9 @@ def build_optimizer(name: str, params_groups: list[dict], fused: bool = False) -
 
 # The keys of a torch optimiser's param groups that choose how its step runs, not what it computes.
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+# Keys of our own that the live options decide (get_params_groups): a checkpoint keeps its lr and weight decay,
+# never these (torch restores the saved groups whole).
+GROUP_KEYS = ("lr_scale", "regularized")
 
 
 def _keep_live_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -161,7 +253,7 @@ def _keep_live_implementation(optimizer: torch.optim.Optimizer, state_dict: dict
         return state_dict  # torch's own error for the mismatch
     groups, host_step = [], set()
     for live, group in zip(optimizer.param_groups, saved, strict=True):
-        flags = {key: live[key] for key in IMPLEMENTATION_KEYS if key in live}
+        flags = {key: live[key] for key in IMPLEMENTATION_KEYS + GROUP_KEYS if key in live}
         groups.append({**group, **flags})
         if not (flags.get("fused") or flags.get("capturable")):
             host_step.update(group["params"])
@@ -189,6 +281,9 @@ def _late_momentum_buffers(optimizer: torch.optim.Optimizer, args: tuple, kwargs
                 optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
 
+CLIP_MODES = ("per_parameter", "per_module")
+
+
 @torch.no_grad()
 def clip_gradients(model: nn.Module, clip: float) -> torch.Tensor:
     """Per-parameter clipping of the reference: each gradient whose L2 norm exceeds ``clip`` is rescaled to
@@ -206,6 +301,37 @@ def clip_gradients(model: nn.Module, clip: float) -> torch.Tensor:
     return norms
 
 
+@torch.no_grad()
+def clip_total_norm(module: nn.Module, clip: float) -> torch.Tensor | None:
+    """``torch.nn.utils.clip_grad_norm_(module.parameters(), clip)``: all of ``module``'s gradients scaled by
+    ``min(1, clip / (total + 1e-6))``, ``total`` the L2 norm of their concatenation. Under FSDP2 ``total`` is the
+    whole gradients' norm (each tensor's local squared norm summed over the mesh, :func:`tensor_norms`), the same
+    on every rank. Returns ``total`` (None without gradients). No host read."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    total = tensor_norms(grads).float().square().sum().sqrt()
+    coef = (clip / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(list(local_tensors(grads)), coef.to(grads[0].dtype))
+    return total
+
+
+def clip_per_module(model: nn.Module, clip: float) -> dict[str, torch.Tensor]:
+    """DINOv3's clip (``dinov3/train/train.py``): ``clip_grad_norm_`` on each of the student's submodules in turn
+    (backbone, DINO head, iBOT head), each with its own total norm. Returns each one's norm before clipping."""
+    norms = {}
+    for name, child in model.named_children():
+        total = clip_total_norm(child, clip)
+        if total is not None:
+            norms[name] = total
+    return norms
+
+
+def check_clip_mode(mode: str) -> None:
+    if mode not in CLIP_MODES:
+        raise UserError(f"clip_mode must be one of {', '.join(CLIP_MODES)}, got {mode!r}")
+
+
 def cancel_gradients_last_layer(epoch: int, model: nn.Module, freeze_last_layer: int) -> None:
     """Drop the gradients of the head's last layer during the first ``freeze_last_layer`` epochs. ``grad=None``
     (not zero) so that AdamW skips the tensor entirely, weight decay included, as in the reference."""
@@ -214,3 +340,30 @@ def cancel_gradients_last_layer(epoch: int, model: nn.Module, freeze_last_layer:
     for name, param in model.named_parameters():
         if "last_layer" in name:
             param.grad = None
+
+
+# The families whose backbones have a stack of ``blocks`` that layer-wise lr decay counts.
+LAYER_DECAY_FAMILIES = ("xcit", "vit", "cait", "bixt", "dinov3")
+# DINO's optimisation (main_dino.py) and DINOv3's distillation's (the ``optim:`` section of
+# dinov3/configs/train/dinov3_vitl16_lvd1689m_distilled.yaml: clip_grad 3.0 through train.py's per-submodule
+# clip_grad_norm_, layerwise_decay 0.99, patch_embed_lr_mult 0.2, scaling_rule sqrt_wrt_1024).
+DINO_OPTIMISATION = dict(
+    clip_mode="per_parameter", layerwise_decay=1.0, patch_embed_lr_mult=1.0, lr_scaling_rule="linear_wrt_256"
+)
+DINOV3_DISTILL_OPTIMISATION = dict(
+    clip_mode="per_module", layerwise_decay=0.99, patch_embed_lr_mult=0.2, lr_scaling_rule="sqrt_wrt_1024"
+)
+
+
+def objective_optimisation(dinov3: bool, backbone: str, **given: Any) -> dict[str, Any]:
+    """``given`` (``clip_mode``, ``layerwise_decay``, ``patch_embed_lr_mult``, ``lr_scaling_rule``) with each None
+    replaced by the objective's reference: DINOv3's distillation values under ``dinov3``, DINO's otherwise. A
+    backbone without blocks (ConvNeXt, CrossFormer++) gets no layer-wise decay by default, as DINOv3's rule gives
+    it (``param_groups.py``: no ``blocks``, so every multiplier is 1)."""
+    from ssl_xcit.models.registry import family_of
+
+    reference = DINOV3_DISTILL_OPTIMISATION if dinov3 else DINO_OPTIMISATION
+    out = {key: reference[key] if value is None else value for key, value in given.items()}
+    if given.get("layerwise_decay") is None and family_of(backbone) not in LAYER_DECAY_FAMILIES:
+        out["layerwise_decay"] = 1.0
+    return out

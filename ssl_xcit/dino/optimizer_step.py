@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ssl_xcit.dino.init_from import drop_backbone_gradients, head_warmup_steps
-from ssl_xcit.dino.optim import cancel_gradients_last_layer, clip_gradients
+from ssl_xcit.dino.optim import cancel_gradients_last_layer, clip_gradients, clip_per_module
 from ssl_xcit.trainer.fsdp import local_parameters
 
 
@@ -105,10 +105,14 @@ def scaler_in_use(trainer: Any) -> bool:
 
 
 def before_optimizer_step(module: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Order as in the reference: clip (true gradients: :func:`window_step` and Lightning unscaled them), then
-    cancel the last layer's and the waiting backbone's gradients."""
-    if module.hparams.clip_grad:
-        clip_gradients(module.student, module.hparams.clip_grad)
+    """Order as in the reference: clip (``clip_mode``; true gradients: :func:`window_step` and Lightning unscaled
+    them), then cancel the last layer's and the waiting backbone's gradients."""
+    clip = module.hparams.clip_grad
+    if clip:  # per parameter as DINO's utils.clip_gradients, or per submodule as DINOv3's train.py
+        if module.hparams.get("clip_mode", "per_parameter") == "per_module":
+            clip_per_module(module.student, clip)
+        else:
+            clip_gradients(module.student, clip)
     cancel_gradients_last_layer(module.current_epoch, module.student, module.hparams.freeze_last_layer)
     drop_backbone_gradients(module.student, module.global_step, head_warmup_steps(module))
 

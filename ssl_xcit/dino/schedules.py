@@ -52,9 +52,18 @@ def teacher_temperature(epoch: int, warmup_temp: float, final_temp: float, warmu
     return float(final_temp)
 
 
-def scaled_lr(base_lr: float, total_batch_size: int, reference_batch_size: int = 256) -> float:
-    """Linear scaling rule of DINO: ``base_lr`` is the peak LR for a batch of 256 images."""
-    return base_lr * total_batch_size / reference_batch_size
+LR_SCALING_RULES = ("linear_wrt_256", "sqrt_wrt_1024")
+
+
+def scaled_lr(base_lr: float, total_batch_size: int, rule: str = "linear_wrt_256") -> float:
+    """The peak lr for ``total_batch_size`` images per step: DINO's linear rule, ``base_lr`` x batch / 256
+    (``base_lr`` is the peak for a batch of 256), or DINOv3's ``sqrt_wrt_1024``, ``base_lr`` x 4 x sqrt(batch /
+    1024) (``dinov3/train/train.py``, ``build_schedulers_v2``; equal to the linear rule at 1024 images)."""
+    if rule == "linear_wrt_256":
+        return base_lr * total_batch_size / 256
+    if rule == "sqrt_wrt_1024":
+        return base_lr * 4 * math.sqrt(total_batch_size / 1024)
+    raise UserError(f"lr_scaling_rule must be one of {', '.join(LR_SCALING_RULES)}, got {rule!r}")
 
 
 class Schedules(NamedTuple):
@@ -68,6 +77,13 @@ class Schedules(NamedTuple):
     peak_lr: float
     ibot_weight: np.ndarray | None = None  # the patch term's weight per iteration (None: iBOT off)
     gram_weight: np.ndarray | None = None  # the Gram term's weight per iteration (None: Gram anchoring off)
+    local_weight: np.ndarray | None = None  # the local crops' DINO weight per iteration (None: 1 throughout)
+
+    def local_weight_at(self, step: int) -> float:
+        """The weight of the DINO term's local-crop pairs at optimiser ``step`` (its last value past the plan)."""
+        if self.local_weight is None:
+            return 1.0
+        return float(self.local_weight[min(step, len(self.local_weight) - 1)])
 
     def ibot_weight_at(self, step: int) -> float:
         """The patch term's weight at optimiser ``step`` (its last value past the planned length)."""
@@ -112,11 +128,17 @@ def dino_schedules(
     if hp["warmup_epochs"] > epochs:
         raise UserError(f"warmup_epochs={hp['warmup_epochs']} is longer than trainer.max_epochs={epochs}")
     total_batch = per_device_batch * world_size * accumulate
-    peak_lr = scaled_lr(hp["lr"], total_batch) if hp["scale_lr_with_batch"] else hp["lr"]
+    rule = hp.get("lr_scaling_rule", "linear_wrt_256")
+    peak_lr = scaled_lr(hp["lr"], total_batch, rule) if hp["scale_lr_with_batch"] else hp["lr"]
+    # DINOv3 scales the schedule's end with its peak (train.py, build_schedulers_v2); DINO scales the peak only.
+    sqrt_rule = hp["scale_lr_with_batch"] and rule == "sqrt_wrt_1024"
+    min_lr = scaled_lr(hp["min_lr"], total_batch, rule) if sqrt_rule else hp["min_lr"]
     return Schedules(
-        lr=cosine_schedule(peak_lr, hp["min_lr"], epochs, iters, warmup_epochs=hp["warmup_epochs"]),
+        lr=cosine_schedule(peak_lr, min_lr, epochs, iters, warmup_epochs=hp["warmup_epochs"]),
         weight_decay=cosine_schedule(hp["weight_decay"], hp["weight_decay_end"], epochs, iters),
-        momentum=cosine_schedule(hp["momentum_teacher"], 1.0, epochs, iters),
+        momentum=cosine_schedule(
+            hp["momentum_teacher"], hp.get("final_momentum_teacher", 1.0), epochs, iters
+        ),
         iters_per_epoch=iters,
         total_batch=total_batch,
         peak_lr=peak_lr,
@@ -125,6 +147,12 @@ def dino_schedules(
         ),
         gram_weight=gram_ramp(
             hp.get("gram_loss_weight", 0.0),
+            hp.get("gram_start_step", 0),
+            hp.get("gram_weight_warmup_steps", 0),
+            epochs * iters,
+        ),
+        local_weight=local_weight_ramp(
+            hp.get("local_crops_weight", 1.0),
             hp.get("gram_start_step", 0),
             hp.get("gram_weight_warmup_steps", 0),
             epochs * iters,
@@ -155,6 +183,22 @@ def gram_ramp(value: float, start_step: int, warmup_steps: int, total_steps: int
     if warmup_steps > 0:
         rise = (1.0 - np.cos(np.linspace(0.0, np.pi, warmup_steps))) / 2.0
         schedule[start_step : start_step + warmup_steps] = value * rise
+    return schedule
+
+
+def local_weight_ramp(end: float, start_step: int, warmup_steps: int, total_steps: int) -> np.ndarray | None:
+    """The local crops' DINO weight per iteration, eased from 1 to ``end`` on the Gram ramp (DINOv3's 7B
+    ``dino.local_loss_weight_schedule``, ``dinov3/configs/train/dinov3_vit7b16_gram_anchor.yaml``: start 1, peak 1,
+    end 0.5 over the Gram weight's warm-up and cosine): 1 before ``start_step``, then ``1 + (end - 1) * (1 -
+    cos(pi * k / (warmup_steps - 1))) / 2`` at ``start_step + k`` for ``0 <= k < warmup_steps``, then ``end``
+    (``end`` at once without a warm-up). None when ``end`` is 1 (no reweighting)."""
+    if end == 1.0:
+        return None
+    schedule = np.full(max(total_steps, start_step + warmup_steps + 1), float(end))
+    schedule[:start_step] = 1.0
+    if warmup_steps > 0:
+        rise = (1.0 - np.cos(np.linspace(0.0, np.pi, warmup_steps))) / 2.0
+        schedule[start_step : start_step + warmup_steps] = 1.0 + (end - 1.0) * rise
     return schedule
 
 

@@ -13,9 +13,12 @@ import torch
 from lightning.pytorch import LightningModule
 
 from ssl_xcit.dino.gram import check_gram_crops, gram_term
+from ssl_xcit.dino.head import LAST_LAYERS
 from ssl_xcit.dino.ibot import MaskedPatches, masked_forward
-from ssl_xcit.dino.koleo import koleo_loss
+from ssl_xcit.dino.koleo import grouped_koleo_loss, koleo_loss
 from ssl_xcit.dino.loss import DINOLossOutput
+from ssl_xcit.dino.optim import check_clip_mode
+from ssl_xcit.dino.schedules import LR_SCALING_RULES
 from ssl_xcit.errors import UserError
 from ssl_xcit.utils.transfer import scalars_to_device
 
@@ -32,18 +35,49 @@ def check_settings(hp: Mapping[str, Any]) -> None:
         raise UserError("temperatures must be > 0")
     if not hp["koleo_weight"] >= 0:
         raise UserError(f"koleo_weight must be >= 0 (0 disables KoLeo), got {hp['koleo_weight']!r}")
+    group = hp.get("koleo_group_size")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 2):
+        raise UserError(
+            f"koleo_group_size must be an integer >= 2 (images of the global batch per KoLeo group; DINOv3's "
+            f"high-resolution stage: 16) or null (each rank's batch), got {group!r}"
+        )
     if not hp["ibot_loss_weight"] >= 0:
         raise UserError(f"ibot_loss_weight must be >= 0 (0 disables iBOT), got {hp['ibot_loss_weight']!r}")
     if not hp.get("ibot_weight_warmup_epochs", 0.0) >= 0:
         raise UserError(f"ibot_weight_warmup_epochs must be >= 0, got {hp['ibot_weight_warmup_epochs']!r}")
     if hp.get("ibot_bn_stats", "all") not in ("all", "unmasked"):
         raise UserError(f"ibot_bn_stats must be 'all' or 'unmasked', got {hp['ibot_bn_stats']!r}")
+    if hp.get("head_last_layer", "weight_norm") not in LAST_LAYERS:
+        raise UserError(
+            f"head_last_layer must be one of {', '.join(LAST_LAYERS)}, got {hp['head_last_layer']!r}"
+        )
+    check_optimisation_settings(hp)
     out_dim, ibot_out_dim = hp["out_dim"], hp["ibot_out_dim"]
     if hp["ibot_loss_weight"] > 0 and not hp["ibot_separate_head"] and ibot_out_dim not in (None, out_dim):
         raise UserError(
             f"a shared head has out_dim={out_dim} prototypes, got ibot_out_dim={ibot_out_dim}; "
             "drop ibot_out_dim or set ibot_separate_head: true"
         )
+
+
+def check_optimisation_settings(hp: Mapping[str, Any]) -> None:
+    """A UserError naming the first of the DINOv3 optimisation options (``clip_mode``, ``layerwise_decay``,
+    ``patch_embed_lr_mult``, ``lr_scaling_rule``, ``final_momentum_teacher``, ``local_crops_weight``,
+    ``teacher_mode``) that is out of range."""
+    check_clip_mode(hp.get("clip_mode", "per_parameter"))
+    if not 0 < hp.get("layerwise_decay", 1.0) <= 1:
+        raise UserError(f"layerwise_decay must be in (0, 1] (1 = off), got {hp['layerwise_decay']!r}")
+    if not hp.get("patch_embed_lr_mult", 1.0) >= 0:
+        raise UserError(f"patch_embed_lr_mult must be >= 0 (1 = off), got {hp['patch_embed_lr_mult']!r}")
+    rule = hp.get("lr_scaling_rule", "linear_wrt_256")
+    if rule not in LR_SCALING_RULES:
+        raise UserError(f"lr_scaling_rule must be one of {', '.join(LR_SCALING_RULES)}, got {rule!r}")
+    if not 0 <= hp.get("final_momentum_teacher", 1.0) <= 1:
+        raise UserError(f"final_momentum_teacher must be in [0, 1], got {hp['final_momentum_teacher']!r}")
+    if not hp.get("local_crops_weight", 1.0) >= 0:
+        raise UserError(f"local_crops_weight must be >= 0 (1 = off), got {hp['local_crops_weight']!r}")
+    if hp.get("teacher_mode", "train") not in ("train", "eval"):
+        raise UserError(f"teacher_mode must be 'train' or 'eval', got {hp['teacher_mode']!r}")
 
 
 class StepLosses(NamedTuple):
@@ -94,9 +128,23 @@ def compute_losses(
             )
         else:
             student_output, embedding = model.student(crops, return_embeddings=True)
-    dino = model.dino_loss(student_output, teacher_output, epoch, update_center=update_center)
+    dino = model.dino_loss(
+        student_output,
+        teacher_output,
+        epoch,
+        update_center=update_center,
+        # local_crops_weight's value of this step, a host float (ssl_xcit.dino.schedules.local_weight_ramp)
+        local_weight=getattr(model, "local_weight_now", 1.0),
+    )
     total, koleo, patch = dino.loss, None, None
-    if model.hparams.koleo_weight > 0:
+    group = model.hparams.get("koleo_group_size")
+    if model.hparams.koleo_weight > 0 and group is not None:
+        # DINOv3's distributed KoLeo: per global crop, over groups of the global batch. Every rank calls it
+        # whatever its batch (it agrees the batch sizes with the others, and may gather).
+        views = embedding[: NUM_GLOBAL_CROPS * batch_size].chunk(NUM_GLOBAL_CROPS)
+        koleo = sum(grouped_koleo_loss(view, group) for view in views)
+        total = total + model.hparams.koleo_weight * koleo
+    elif model.hparams.koleo_weight > 0:
         # Per global crop and per rank, as in DINOv2: each view's local batch is spread on its own. A rank
         # left with one readable image has no neighbour to push from: its term is 0 (no collective is
         # involved, so the other ranks are unaffected and nobody waits).

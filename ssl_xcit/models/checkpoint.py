@@ -36,8 +36,11 @@ from ssl_xcit.models.base import Backbone
 from ssl_xcit.models.registry import create_model, family_module, list_families, resolve
 
 # DINO projection heads (`head.mlp`, `head.last_layer`; iBOT's `patch_head.*`) and classifier heads.
-# Feature distillation's projections (`head.cls_proj`, `head.patch_proj`: ssl_xcit.dino.distill) are heads too.
-_HEAD_KEY = re.compile(r"^((patch_)?head\.(mlp|last_layer)\.|head\.(weight|bias)$|head\.(cls|patch)_proj\.)")
+# Feature distillation's projections (`head.cls_proj`, `head.patch_proj`: ssl_xcit.dino.distill) are heads too,
+# and so are Meta's DINOv2/DINOv3 training heads (`dino_head.*`, `ibot_head.*`: dinov3/train/ssl_meta_arch.py).
+_HEAD_KEY = re.compile(
+    r"^((patch_)?head\.(mlp|last_layer)\.|head\.(weight|bias)$|head\.(cls|patch)_proj\.|(dino|ibot)_head\.)"
+)
 _CONTAINERS = ("teacher", "model", "state_dict", "student")
 # What ssl-xcit export writes besides weights: programs that run the backbone but cannot be trained or loaded.
 _PROGRAMS = {".onnx": "an ONNX model", ".pt2": "a torch.export program"}
@@ -138,6 +141,17 @@ def read_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, A
         raise UserError(f"cannot read checkpoint {path}: {error}") from error
 
 
+def read_backbone_checkpoint(path: str | os.PathLike, trust: bool = False) -> dict[str, Any]:
+    """:func:`read_checkpoint` for readers of one backbone: a sharded folder gives ``meta.pt``'s entries and
+    only the evaluated network's backbone tensors (``ssl_xcit.models.sharded.read_sharded_backbone``), never
+    the optimiser state or the other networks; any other source is read whole, as by :func:`read_checkpoint`."""
+    from ssl_xcit.models.sharded import is_sharded_checkpoint, read_sharded_backbone
+
+    if is_sharded_checkpoint(path):
+        return read_sharded_backbone(path, trust)
+    return read_checkpoint(path, trust)
+
+
 def is_tensor_dict(obj: Any) -> bool:
     """A non-empty mapping of tensors: a state dict, as opposed to a checkpoint that holds one."""
     return isinstance(obj, Mapping) and len(obj) > 0 and all(isinstance(v, Tensor) for v in obj.values())
@@ -215,7 +229,7 @@ def load_pretrained(
     mismatch, and (with ``strict``) ``UserError`` naming the missing and unexpected keys.
     """
     label = str(source) if isinstance(source, (str, os.PathLike)) else "state dict"
-    checkpoint = read_checkpoint(source, trust) if isinstance(source, (str, os.PathLike)) else source
+    checkpoint = read_backbone_checkpoint(source, trust) if isinstance(source, (str, os.PathLike)) else source
     raw, _ = extract_state_dict(checkpoint)
     state, dropped = convert_state_dict(raw, model)
     family = infer_family(state)
@@ -343,7 +357,7 @@ def build_backbone(
         if name is None:
             raise UserError("build_backbone needs a model name when no weights are given")
         return create_model(name, **overrides)
-    return backbone_from_checkpoint(read_checkpoint(weights, trust), weights, name, **overrides)
+    return backbone_from_checkpoint(read_backbone_checkpoint(weights, trust), weights, name, **overrides)
 
 
 def backbone_from_checkpoint(

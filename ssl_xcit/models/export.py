@@ -20,6 +20,8 @@ import contextlib
 import io
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +96,7 @@ def save_safetensors(
     private: bool = False,
 ) -> Path:
     """``state`` as safetensors with ``name`` and ``kwargs`` (JSON) in its metadata, written atomically."""
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
     try:
         recipe = json.dumps(kwargs, sort_keys=True)
@@ -107,9 +109,15 @@ def save_safetensors(
     metadata = {"format": "pt", SAFETENSORS_NAME_KEY: name, SAFETENSORS_KWARGS_KEY: recipe}
     if (timm_model := timm_name(name)) is not None:
         metadata[SAFETENSORS_TIMM_KEY] = timm_model
-    data = save({k: v.detach().cpu().contiguous() for k, v in state.items()}, metadata=metadata)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     with atomic_write(path, "wb", private=private) as handle:
-        handle.write(data)
+        # save_file writes each tensor from its own memory (save() would first build the whole file in
+        # memory), to a file it names itself: staged in a folder only we can enter, then copied into place.
+        with tempfile.TemporaryDirectory(dir=Path(path).parent, prefix=".safetensors.") as staging:
+            staged = Path(staging) / "out.safetensors"
+            save_file(tensors, str(staged), metadata=metadata)
+            with open(staged, "rb") as source:
+                shutil.copyfileobj(source, handle, 1 << 24)
     return Path(path)
 
 

@@ -16,6 +16,7 @@ from ssl_xcit.dino.precision import check_precision
 from ssl_xcit.dino.schedules import configured_batch_size, dino_schedules
 from ssl_xcit.trainer.checkpointing import last_checkpoint
 from ssl_xcit.trainer.fsdp import is_fsdp2, shard_module
+from ssl_xcit.trainer.meta_start import capture_targets, materialise
 from ssl_xcit.trainer.step_checks import diverged, loss_scale_collapsed
 from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
 from ssl_xcit.utils.rng import capture_rng_states, gather_rng_states, own_rng_states, restore_rng_states
@@ -31,15 +32,21 @@ class DINOLifecycle(LightningModule):
     # ----------------------------------------------------------------------------------------- mode, setup
     # `train()`/`eval()` are nn.Module's: `eval()` puts student and teacher in eval mode, so `forward` (the
     # exported network) uses BatchNorm running statistics, embeds each image independently of its batch and
-    # never moves those statistics. Training puts both back in train mode itself (`_set_training_modes`), the
-    # teacher included: in the reference its BatchNorms use batch statistics while training.
+    # never moves those statistics. Training puts them back itself (`_set_training_modes`): the student in train
+    # mode, the teachers in `teacher_mode` (train by default: in the reference the teacher's BatchNorms use batch
+    # statistics while training).
 
     def _set_training_modes(self) -> None:
-        """Student and teacher in train mode, every submodule included. Lightning 2.6 no longer calls
-        ``.train()`` at fit start, so an earlier ``model.eval()`` (or ``teacher.backbone.eval()``) would
+        """Student in train mode, every submodule included; the EMA and Gram teachers in ``teacher_mode``: train
+        (DINO's reference: XCiT's BatchNorms with batch statistics) or eval (DINOv3's ``SSLMetaArch.train``:
+        targets without train-time augmentation such as RoPE's rescaled coordinates). Lightning 2.6 no longer
+        calls ``.train()`` at fit start, so an earlier ``model.eval()`` (or ``teacher.backbone.eval()``) would
         otherwise train the student without drop path and give eval-mode BatchNorm targets for the whole run."""
+        teacher_train = self.hparams.get("teacher_mode", "train") == "train"
         self.student.train(True)
-        self.teacher.train(True)
+        self.teacher.train(teacher_train)
+        if getattr(self, "gram_teacher", None) is not None:
+            self.gram_teacher.train(teacher_train)
 
     @property
     def gram_crops_scale(self) -> int | None:
@@ -78,6 +85,9 @@ class DINOLifecycle(LightningModule):
     def configure_model(self) -> None:
         # DINO.load_from_checkpoint calls this hook too, with no trainer: one process.
         world_size = self._trainer.world_size if self._trainer is not None else 1
+        # Networks built on the meta device (ssl_xcit.trainer.meta_start) are materialised below.
+        recipe = getattr(self, "_meta_recipe", None)
+        targets = capture_targets(self) if recipe is not None else None
         if self.hparams.sync_batchnorm and world_size > 1 and has_batchnorms(self):
             self.student = convert_sync_batchnorm(self.student)
             self.teacher = convert_sync_batchnorm(self.teacher)
@@ -85,6 +95,10 @@ class DINOLifecycle(LightningModule):
                 self.gram_teacher.backbone = convert_sync_batchnorm(self.gram_teacher.backbone)
         if is_fsdp2(self._trainer):
             shard_module(self, self.trainer.strategy.data_parallel_mesh, str(self.trainer.precision))
+        if recipe is not None:  # each rank's shards (whole networks off FSDP2), filled as built whole
+            device = self.trainer.strategy.root_device if is_fsdp2(self._trainer) else torch.device("cpu")
+            materialise(self, recipe, targets, device)
+            self._meta_recipe = None
         if self.hparams.compile and not self._compiled:
             self.student.compile_backbone()
             self.teacher.compile_backbone()
@@ -111,7 +125,11 @@ class DINOLifecycle(LightningModule):
         return [guard]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        hp, groups = self.hparams, get_params_groups(self.student)
+        hp = self.hparams
+        # DINOv3's lr multipliers per parameter (``layerwise_decay``, ``patch_embed_lr_mult``; 1: DINO's 2 groups)
+        groups = get_params_groups(
+            self.student, hp.get("layerwise_decay", 1.0), hp.get("patch_embed_lr_mult", 1.0)
+        )
         fused = hp.fused_optimizer
         if (
             fused is None
@@ -213,5 +231,11 @@ class DINOLifecycle(LightningModule):
         rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         restore_rng_states(own_rng_states(checkpoint, rank, world_size))
         self.init_state = checkpoint.get("init_from")
-        if "state_dict" in checkpoint:  # Gram anchoring switched on or off at resume (ssl_xcit.dino.gram)
-            adapt_checkpoint_state(checkpoint["state_dict"], getattr(self, "gram_teacher", None))
+        if "state_dict" in checkpoint:  # FSDP2's strategy adapted and loaded the weights before this hook
+            self.adapt_state_dict(checkpoint["state_dict"])
+
+    def adapt_state_dict(self, state: dict[str, Any]) -> None:
+        """Make a checkpoint's weights fit this run's settings, in place: Gram anchoring switched on or off at
+        resume (``ssl_xcit.dino.gram``). It only moves, drops and adds entries, never reads a value, so FSDP2's
+        strategy can run it on stand-ins for the tensors of a sharded folder before reading any of them."""
+        adapt_checkpoint_state(state, getattr(self, "gram_teacher", None))

@@ -17,8 +17,14 @@ parameters, gradients, AdamW states and teachers, the float32 reductions and eac
 parameters are tensors the tracker sees. ``ddp`` on more than one GPU adds one analytic term: DDP's gradient
 buckets, one more copy of the student's gradients (``gradient_as_bucket_view`` is off, torch's default).
 
-What the trace cannot see is added as stated, fixed terms (:data:`CUDA_OVERHEAD_GB`, :data:`FRAGMENTATION`):
-the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers, and the caching allocator's fragmentation.
+The trace casts as CUDA autocast does (``PlanInput.autocast``, default ``"cuda"``: CUDA's op lists applied to
+the CPU tensors by :func:`ssl_xcit.trainer.cuda_autocast.cuda_autocast`; CPU autocast keeps ``layer_norm``,
+``softmax``, ``norm`` and ``sum`` in bfloat16, where CUDA saves float32 copies or outputs). ``"cpu"`` traces
+CPU autocast's own lists, for comparisons with a real CPU run.
+
+What the trace cannot see is added as stated terms: the caching allocator's fragmentation
+(:data:`FRAGMENTATION`), the CUDA context and cuBLAS/cuDNN workspaces (:data:`CUDA_OVERHEAD_GB`) and NCCL's
+buffers, :data:`NCCL_COMMUNICATOR_GB` per communicator the strategy creates (:func:`nccl_communicators`).
 """
 
 from __future__ import annotations
@@ -32,14 +38,19 @@ from typing import Any
 
 import torch
 
+from ssl_xcit.data.crops import gram_crop_side
 from ssl_xcit.dino.step import NUM_GLOBAL_CROPS
 from ssl_xcit.errors import UserError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 STRATEGIES = ("ddp", "fsdp2")
+AUTOCAST_POLICIES = ("cuda", "cpu")
 DEFAULT_MODEL = "ssl_xcit.dino.module.DINO"
-# Outside the trace: CUDA context (~0.5 GB), cuBLAS/cuDNN workspaces and NCCL's buffers (about 1 GB at 8 GPUs).
-CUDA_OVERHEAD_GB = 2.0
+# Outside the trace: the CUDA context (about 0.5 GB) and cuBLAS/cuDNN workspaces.
+CUDA_OVERHEAD_GB = 1.0
+# NCCL's buffers per communicator on each GPU: about 1.6 GB for one communicator after an all-reduce, about
+# 6 GB for three or more (NVIDIA/nccl#864); the larger per-communicator figure.
+NCCL_COMMUNICATOR_GB = 2.0
 # The caching allocator's fragmentation and rounding: the traced peak is raised by this fraction.
 FRAGMENTATION = 0.10
 GB = 1e9
@@ -60,9 +71,12 @@ class PlanInput:
     strategy: str = "ddp"
     world_size: int = 1
     model_class: str = DEFAULT_MODEL
+    autocast: str = "cuda"
 
     def check(self) -> None:
         """A UserError naming the first bad value and what would be valid."""
+        if self.autocast not in AUTOCAST_POLICIES:
+            raise UserError(f"autocast policy {self.autocast!r} is not one of {', '.join(AUTOCAST_POLICIES)}")
         if self.precision not in PRECISIONS:
             raise UserError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.strategy not in STRATEGIES:
@@ -89,7 +103,7 @@ class MemoryPlan:
     fsdp2); ``step_peak`` and ``update_peak`` are the trace's peaks of live tensors over a steady-state step's
     forwards and backward, and over its update (clipping, optimiser step, EMA); ``traced_peak`` is the larger,
     ``activations`` the rest of it (activations, gathered units, temporaries); ``peak`` adds DDP's buckets,
-    fragmentation and the CUDA overhead."""
+    fragmentation and the ``overhead`` (CUDA context and workspaces, NCCL's communicators)."""
 
     parameters: int
     gradients: int
@@ -109,12 +123,29 @@ class MemoryPlan:
         return max(0, self.traced_peak - self.parameters - self.optimizer - self.teachers)
 
     @property
+    def overhead(self) -> int:
+        return overhead(self.plan)
+
+    @property
     def peak(self) -> int:
         traced = self.traced_peak + self.ddp_buckets
-        return int(traced * (1 + FRAGMENTATION) + CUDA_OVERHEAD_GB * GB)
+        return int(traced * (1 + FRAGMENTATION) + self.overhead)
 
     def fits(self, gpu_memory_gb: float) -> bool:
         return self.peak <= gpu_memory_gb * GB
+
+
+def nccl_communicators(plan: PlanInput) -> int:
+    """NCCL communicators on each GPU: none on one GPU; DDP's default group; under FSDP2 the default group and
+    Lightning's device mesh."""
+    if plan.world_size == 1:
+        return 0
+    return 2 if plan.strategy == "fsdp2" else 1
+
+
+def overhead(plan: PlanInput) -> int:
+    """Bytes outside the trace, fragmentation aside: CUDA context and workspaces, NCCL's buffers."""
+    return int((CUDA_OVERHEAD_GB + NCCL_COMMUNICATOR_GB * nccl_communicators(plan)) * GB)
 
 
 def model_class(path: str) -> type:
@@ -154,7 +185,7 @@ def make_crops(plan: PlanInput, device: torch.device | str = "cpu") -> tuple[lis
     crops += [torch.randn(b, 3, loc, loc, device=device) for _ in range(plan.local_crops_number)]
     gram = None
     if plan.model_args.get("gram_loss_weight", 0.0) > 0:
-        side = g * int(plan.model_args.get("gram_resolution_scale", 1))
+        side = gram_crop_side(g, float(plan.model_args.get("gram_resolution_scale", 1)))  # 1.5 as DINOv3's
         gram = [torch.randn(b, 3, side, side, device=device) for _ in range(NUM_GLOBAL_CROPS)]
     return crops, gram
 
@@ -283,12 +314,23 @@ def training_steps(model: Any, optimizer: torch.optim.Optimizer, plan: PlanInput
 def forward_backward(model: Any, plan: PlanInput, step: int = 0) -> None:
     """A fresh batch, the forwards and losses under the precision's autocast, and the backward."""
     device = next(model.parameters()).device
-    dtype = _AUTOCAST.get(plan.precision)
     crops, gram = make_crops(plan, device)
     masks = model.draw_masks(crops[0], [0, 0, step, 0]) if model.ibot else None
-    with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
-        out = model.compute_losses(crops, masks, epoch=0, update_center=True, gram_crops=gram)
-    out.total.backward()
+    dtype = _AUTOCAST.get(plan.precision)
+    # CUDA's policy on a CPU spans the backward too: activation checkpointing recomputes under autocast there
+    with autocast_policy(plan, device):
+        with torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext():
+            out = model.compute_losses(crops, masks, epoch=0, update_center=True, gram_crops=gram)
+        out.total.backward()
+
+
+def autocast_policy(plan: PlanInput, device: torch.device) -> contextlib.AbstractContextManager:
+    """On a CPU, under ``plan.autocast == "cuda"`` and a mixed precision: CPU autocast cast as CUDA's does."""
+    from ssl_xcit.trainer.cuda_autocast import cuda_policy
+
+    if device.type == "cpu" and plan.autocast == "cuda" and plan.precision in _AUTOCAST:
+        return cuda_policy()
+    return contextlib.nullcontext()
 
 
 def update(model: Any, optimizer: torch.optim.Optimizer) -> None:

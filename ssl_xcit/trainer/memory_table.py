@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ssl_xcit.trainer.memory_plan import CUDA_OVERHEAD_GB, FRAGMENTATION, GB, MemoryPlan, PlanInput, estimate
+from ssl_xcit.trainer.memory_plan import FRAGMENTATION, GB, MemoryPlan, PlanInput, estimate, overhead
 
 DEPTHS = (1, 2)
 BATCHES = (8, 16)
@@ -78,7 +78,7 @@ class DepthModel:
     def max_batch(self, gpu_memory_gb: float, limit: int = 4096) -> int:
         """The largest batch per GPU (up to ``limit``) that fits ``gpu_memory_gb``, 0 if none: each phase's
         peak is a line in the batch, solved for the budget."""
-        budget = (gpu_memory_gb * GB - CUDA_OVERHEAD_GB * GB) / (1 + FRAGMENTATION)
+        budget = (gpu_memory_gb * GB - overhead(self.plan)) / (1 + FRAGMENTATION)
         best = limit
         buckets = self.terms["ddp_buckets"]
         for phase in ("step_peak", "update_peak"):

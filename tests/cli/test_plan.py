@@ -127,7 +127,8 @@ def test_the_docs_table_command_runs(capsys):
         if line.startswith("ssl-xcit plan --table ")
     ]
     assert commands, "docs name the table's command"
-    tiny = ["--table=xcit_nano_12_p8", "--gpu-memory=2.1", *TINY[2:]]
+    # 5.1 GB: ~90 MB beside FSDP2's margin on 8 GPUs (1 GB + 2 NCCL communicators x 2 GB), 2 GB more beside DDP's
+    tiny = ["--table=xcit_nano_12_p8", "--gpu-memory=5.1", *TINY[2:]]
     for argv in commands:
         rows = cli_main([*argv[1:], *tiny])
         assert [r["backbone"] for r in rows] == ["xcit_nano_12_p8"]
@@ -135,5 +136,5 @@ def test_the_docs_table_command_runs(capsys):
     overrides = [a for i, a in enumerate(argv[2:], start=2) if "--table" not in (a, argv[i - 1])]
     plan = _plan(*overrides, *TINY[2:])
     plan = replace(plan, model_args={**plan.model_args, "backbone": "xcit_nano_12_p8"}, strategy="fsdp2")
-    # settled by full-depth traces, whatever the shallow copies' guess
-    assert rows[0]["fsdp2"] == max_batch(plan, 2.1, first=1)[0] > rows[0]["ddp"] > 0
+    # settled by full-depth traces, whatever the shallow copies' guess; DDP's one communicator leaves it more
+    assert rows[0]["ddp"] > rows[0]["fsdp2"] == max_batch(plan, 5.1, first=1)[0] > 0

@@ -267,7 +267,11 @@ def test_a_batch_without_the_gram_crops_the_model_needs_is_one_line():
     "overrides, match",
     [
         (dict(gram_loss_weight=-1.0), "gram_loss_weight must be >= 0"),
-        (dict(gram_loss_weight=1.0, gram_resolution_scale=3), "gram_resolution_scale must be 1 or 2"),
+        (
+            dict(gram_loss_weight=1.0, gram_resolution_scale=3),
+            "gram_resolution_scale must be a number from 1 to 2.*3",
+        ),
+        (dict(gram_loss_weight=1.0, gram_resolution_scale=0.5), "gram_resolution_scale must be .* got 0.5"),
         (dict(gram_loss_weight=1.0, gram_start_step=-5), "gram_start_step must be an integer >= 0"),
         (dict(gram_loss_weight=1.0, gram_refresh_every=1.5), "gram_refresh_every must be an integer"),
         (

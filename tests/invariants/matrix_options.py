@@ -30,7 +30,7 @@ AXES: dict[str, tuple[str, ...]] = {
 # Keys a row may carry besides AXES, with the value a row without the key has: the GradScaler's start (``low``:
 # 2^4, no overflow; ``overflow``: torch's default 2^16, which overflows the first step, matrix_worker.SCALERS),
 # compile with ``inductor`` (extra rows only: minutes of compile on 2 cores) and the strategy (FSDP2's rows).
-EXTRA_KEYS = {"scaler": "low", "strategy": "ddp"}
+EXTRA_KEYS = {"scaler": "low", "strategy": "ddp", "optim": "dino"}
 
 
 def row_id(row: dict[str, str]) -> str:
@@ -106,6 +106,22 @@ USER_ROWS = [
      "norm": "vit_nobn", "objective": "dino", "compile": "off", "scaler": "overflow"},
     {"accumulate": "1", "unreadable": "none", "precision": "32-true", "optimizer": "adamw",
      "norm": "vit_nobn", "objective": "dino", "compile": "inductor"},
+]  # fmt: skip
+
+
+# DINOv3's optimisation options (``optim``: ``dinov3``, matrix_worker.OPTIMS: the clip per submodule, layer-wise lr
+# decay, the patch embedding's multiplier, the sqrt lr rule, a constant teacher momentum, the local crops' weight
+# on the Gram ramp, teachers in eval mode) on Gram anchoring, the objective they come with, under DDP and under
+# FSDP2 (where the per-submodule clip must take the whole gradients' norm). SGD: a clip shows in its update,
+# where AdamW's normalisation would hide it. Rows of their own, outside the designs whose tables the docs hold
+# (test_matrix.py runs them).
+OPTIM_ROWS = [
+    {"accumulate": "2", "unreadable": "one_rank", "precision": "32-true", "optimizer": "foreach",
+     "norm": "vit_nobn", "objective": "gram", "compile": "off", "optim": "dinov3"},
+    {"accumulate": "1", "unreadable": "start", "precision": "bf16-mixed", "optimizer": "foreach",
+     "norm": "xcit_syncbn", "objective": "ibot", "compile": "off", "optim": "dinov3"},
+    {"accumulate": "2", "unreadable": "none", "precision": "32-true", "optimizer": "foreach",
+     "norm": "vit_nobn", "objective": "gram", "compile": "off", "strategy": "fsdp2", "optim": "dinov3"},
 ]  # fmt: skip
 
 

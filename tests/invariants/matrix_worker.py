@@ -204,6 +204,17 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+# The ``optim`` key (matrix_options.OPTIM_ROWS): DINO's optimisation (the model's defaults) or DINOv3's options,
+# at values that make each one act within 4 steps (a decay of 0.5 per layer; the local pairs at half weight from
+# the Gram term's start; a clip of 3 per submodule, below the SGD rows' gradient norms).
+OPTIMS: dict[str, dict[str, Any]] = {
+    "dino": {},
+    "dinov3": dict(clip_mode="per_module", layerwise_decay=0.5, patch_embed_lr_mult=0.2,
+                   lr_scaling_rule="sqrt_wrt_1024", final_momentum_teacher=0.9, local_crops_weight=0.5,
+                   teacher_mode="eval", head_last_layer="linear"),
+}  # fmt: skip
+
+
 def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool | None = None) -> Any:
     from ssl_xcit.dino.distill import Distill
     from ssl_xcit.dino.module import DINO
@@ -213,7 +224,9 @@ def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool | Non
     if row["objective"] == "init_from":
         extra["init_from"] = row_source(row, sources)
     L.seed_everything(0, verbose=False)
-    optimizer = dict(OPTIMIZERS[row["optimizer"]])
+    from matrix_options import setting
+
+    optimizer = dict(OPTIMIZERS[row["optimizer"]], **OPTIMS[setting(row, "optim")])
     if fused is not None:  # the fused = foreach column's twin
         optimizer["fused_optimizer"] = fused
     common = dict(

@@ -14,6 +14,7 @@ from matrix import TABLE_AXES, mutant_results, run_matrix
 from matrix_options import (
     AXES,
     FSDP2_AXES,
+    OPTIM_ROWS,
     REFUSALS,
     covered,
     design,
@@ -170,6 +171,17 @@ def _assert_no_failure(rows: list[dict], results: list[dict]) -> None:
 def test_fast_row_holds_every_invariant(tmp_path):
     """One row: the 2-process runs under torchrun, the 1-process references in this process."""
     _assert_no_failure([FAST_ROW], run_matrix([FAST_ROW], tmp_path, in_process=True))
+
+
+@pytest.mark.slow  # ~4 minutes on 2 shared cores
+@pytest.mark.distributed
+def test_dinov3_optimisation_rows_hold_every_invariant(tmp_path):
+    """DINOv3's optimisation options (issue 53: ``optim: dinov3``) in company: DDP with an unreadable micro-batch
+    on one rank, bf16 on XCiT's synced BatchNorm with iBOT, and FSDP2, whose per-submodule clip must use the whole
+    gradients' norm on every rank."""
+    # Rows of their own: the docs tables stay the designs' output.
+    assert all(r not in full_design() for r in OPTIM_ROWS)
+    _assert_no_failure(OPTIM_ROWS, run_matrix(OPTIM_ROWS, tmp_path))
 
 
 @pytest.mark.slow  # DDP's rows: ~50 minutes on 2 shared cores; FSDP2's: ~15 minutes

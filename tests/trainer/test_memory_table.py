@@ -35,8 +35,11 @@ def test_max_batch_is_the_largest_batch_that_fits():
     model = DepthModel(terms, depth=24, plan=PlanInput({}))
     best = model.max_batch(80)
     assert model.at(best).fits(80) and not model.at(best + 1).fits(80)
-    # (80 GB - 2 GB) / 1.1 = 70.9 GB: (70.9e9 - 25e9) / 2.4e8 = 191.3 images
-    assert best == 191 and model.at(best).peak <= 80 * GB
+    # one GPU: (80 GB - 1 GB) / 1.1 = 71.82 GB: (71.82e9 - 25e9) / 2.4e8 = 195.1 images
+    assert best == 195 and model.at(best).peak <= 80 * GB
+    # FSDP2 on 8 GPUs, two NCCL communicators: (80 GB - 5 GB) / 1.1 = 68.18 GB: 179.9 images
+    sharded = DepthModel(terms, depth=24, plan=PlanInput({}, strategy="fsdp2", world_size=8))
+    assert sharded.max_batch(80) == 179
     terms["update_peak"] = Bilinear(0, 0, 4e9, 0)  # 96 GB of states: nothing fits
     assert DepthModel(terms, depth=24, plan=PlanInput({})).max_batch(80) == 0
 

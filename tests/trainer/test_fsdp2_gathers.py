@@ -1,0 +1,185 @@
+"""How often FSDP2 gathers each unit in a DINO step (``ssl_xcit.trainer.fsdp.shard_module``), counted on a fake
+process group of 4 ranks in this one process (its collectives do nothing: the counts, not the values, are what
+these tests read). A step is what ``ssl_xcit.dino.step`` runs: the teacher on the global crops without
+gradients, the student on all crops (one backbone call per crop resolution: 16 px, then 8 px), one backward.
+
+Each student block is gathered 4 times a step with ``reshard_after_forward`` true (the strategy's default, as
+DINOv3's blocks: each resolution's forward and its backward) and once with it false (``SHARD_GRAD_OP``)."""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import tiny_model
+from torch.distributed.tensor import DTensor
+
+from ssl_xcit.errors import UserError
+from ssl_xcit.trainer.fsdp import FSDP2Strategy, blocks, check_sharding, shard_module
+
+WORLD = 4
+
+
+@pytest.fixture
+def gathers(monkeypatch):
+    """A fake 4-rank process group and 1-D mesh; yields ``(mesh, counts)``, counts keyed by FSDP2 parameter group
+    (one per unit) of the all-gathers actually issued."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    counts: Counter = Counter()
+    unshard = FSDPParamGroup.unshard
+
+    def counted(self, async_op: bool = False):
+        before = self._all_gather_result
+        unshard(self, async_op)
+        if before is None and self._all_gather_result is not None:
+            counts[id(self)] += 1
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    try:
+        yield init_device_mesh("cpu", (WORLD,)), counts
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(model, mesh, reshard_after_forward):
+    strategy = types.SimpleNamespace(reshard_after_forward=reshard_after_forward)
+    model._trainer = types.SimpleNamespace(precision="32-true", world_size=WORLD, strategy=strategy)
+    try:
+        shard_module(model, mesh, "32-true")
+    finally:
+        model._trainer = None
+    return model
+
+
+def _group(unit):
+    return unit._get_fsdp_state()._fsdp_param_group
+
+
+def _units(net):
+    return [m for m in net.modules() if hasattr(m, "_get_fsdp_state") and _group(m) is not None]
+
+
+CROPS = [
+    torch.randn(2, 3, 16, 16),
+    torch.randn(2, 3, 16, 16),
+    torch.randn(2, 3, 8, 8),
+    torch.randn(2, 3, 8, 8),
+]
+
+
+def _step(model, ibot: bool = False) -> None:
+    with torch.no_grad():
+        model.teacher(CROPS[:2])
+    if ibot:
+        masks = torch.zeros(4, 4, dtype=torch.bool)
+        masks[:, 0] = True
+        out, _, patches = model.student.forward_with_patches(CROPS, masks)
+        loss = out.sum() + model.student.patch_logits(patches[masks]).sum()
+    else:
+        out, _ = model.student(CROPS, return_embeddings=True)
+        loss = out.sum()
+    loss.backward()
+
+
+@pytest.mark.parametrize("ibot", [False, True])
+def test_each_student_block_is_gathered_once_per_step_when_kept_gathered(gathers, ibot):
+    """``reshard_after_forward`` false: one all-gather per student block per step, over both crop
+    resolutions' forwards and backwards (4 before); the teacher's blocks and head layers once; afterwards every
+    unit of both networks holds only its shards (the teacher's roots included: its backbone's, its head layers)."""
+    mesh, counts = gathers
+    overrides = dict(ibot_loss_weight=1.0, ibot_separate_head=True) if ibot else {}
+    model = _sharded(tiny_model(**overrides), mesh, False)
+    heads = _units(model.teacher.head)  # each linear layer an FSDP2 root
+    assert heads
+    for _ in range(2):
+        counts.clear()
+        _step(model, ibot)
+        assert [counts[id(_group(b))] for b in blocks(model.student.backbone)] == [1, 1, 1]
+        assert [counts[id(_group(b))] for b in blocks(model.teacher.backbone)] == [1, 1, 1]
+        assert [counts[id(_group(h))] for h in heads] == [1] * len(heads)
+        # The backbones' root units: once, though forward calls forward_features calls forward_patch_tokens
+        # (5 times in the student before: FSDP2 freed the root at the end of each inner call).
+        assert counts[id(_group(model.student.backbone))] == counts[id(_group(model.teacher.backbone))] == 1
+        assert all(_group(u).is_sharded for u in _units(model.student) + _units(model.teacher))
+
+
+def test_reshard_after_forward_true_gathers_each_block_four_times(gathers):
+    """``reshard_after_forward`` true (FULL_SHARD, the least memory): each resolution's forward and backward
+    gather the block again, 4 times a step: the count of every student block before issue 52."""
+    mesh, counts = gathers
+    model = _sharded(tiny_model(), mesh, True)
+    _step(model)
+    assert [counts[id(_group(b))] for b in blocks(model.student.backbone)] == [4, 4, 4]
+
+
+def test_a_forward_without_gradients_reshards_the_student_at_once(gathers):
+    """A student kept gathered for its backward is freed at once after a forward that has none (validation,
+    the online k-NN): the optimiser must never step shards whose gathered copy a later forward would reuse."""
+    mesh, _ = gathers
+    model = _sharded(tiny_model(), mesh, False)
+    with torch.no_grad():
+        model.student(CROPS)
+    assert all(_group(u).is_sharded for u in blocks(model.student.backbone) + [model.student.backbone])
+
+
+def test_a_student_ema_is_sharded_block_by_block_like_the_student(gathers):
+    """Distillation's student EMA (``Distill.student_ema``) gets the student's units (one per block, the
+    backbone's root, each head layer), so the EMA update pairs equal local shards."""
+    mesh, _ = gathers
+    model = tiny_model()
+    model.student_ema = copy.deepcopy(model.student).requires_grad_(False)
+    _sharded(model, mesh, False)
+    ema, student = model.student_ema, model.student
+    assert [type(u).__name__ for u in _units(ema)] == [type(u).__name__ for u in _units(student)]
+    assert len(blocks(ema.backbone)) == 3 and all(_group(b) is not None for b in blocks(ema.backbone))
+    local = lambda net: [p.to_local().shape for p in net.parameters()]  # noqa: E731
+    assert all(isinstance(p, DTensor) for p in ema.parameters()) and local(ema) == local(student)
+
+
+@pytest.mark.parametrize(
+    "world,replicate,reshard,message",
+    [
+        (4, 3, False, r"^replicate_degree 3 does not divide the 4 ranks"),
+        (
+            8,
+            2,
+            4,
+            r"^reshard_after_forward 4 must be true, false or a divisor of the 4 ranks of a shard group",
+        ),
+        (8, 1, 3, r"^reshard_after_forward 3 must be"),
+    ],
+)
+def test_bad_sharding_options_are_refused_in_one_line(world, replicate, reshard, message):
+    with pytest.raises(UserError, match=message) as err:
+        check_sharding(world, replicate, reshard)
+    assert "\n" not in str(err.value)
+    check_sharding(8, 2, 2)  # a divisor of the shard group of 4
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"reshard_after_forward": "sometimes"},
+            r"^reshard_after_forward must be true, false or a number of ranks",
+        ),
+        ({"replicate_degree": 0}, r"^replicate_degree must be a whole number >= 1"),
+    ],
+)
+def test_bad_strategy_arguments_are_refused(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        FSDP2Strategy(**kwargs)
+
+
+def test_strategy_arguments_from_the_command_line():
+    assert FSDP2Strategy(reshard_after_forward="true").reshard_after_forward is True
+    assert FSDP2Strategy(reshard_after_forward="2").reshard_after_forward == 2
+    assert FSDP2Strategy().reshard_after_forward is True and FSDP2Strategy().replicate_degree == 1
