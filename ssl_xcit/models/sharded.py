@@ -239,14 +239,15 @@ def write_sharded_checkpoint(checkpoint: dict[str, Any], folder: str | os.PathLi
     return folder
 
 
-def _leaves(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a nested checkpoint in the order ``torch.save`` pickles them."""
+def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a nested checkpoint in the order ``torch.save`` pickles them (dict values, list and tuple
+    items, depth first): the order of the storages in its file."""
     if isinstance(obj, dict):
         for value in obj.values():
-            yield from _leaves(value)
+            yield from tensor_leaves(value)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            yield from _leaves(value)
+            yield from tensor_leaves(value)
     elif isinstance(obj, torch.Tensor):
         yield obj
 
@@ -304,9 +305,9 @@ def gather_checkpoint(
         offsets = {
             id(tensor): meta.untyped_storage()._checkpoint_offset
             + meta.storage_offset() * meta.element_size()
-            for tensor, meta in zip(_leaves(skeleton), _leaves(placed), strict=True)
+            for tensor, meta in zip(tensor_leaves(skeleton), tensor_leaves(placed), strict=True)
         }
-        for tensor in _leaves(skeleton):
+        for tensor in tensor_leaves(skeleton):
             if id(tensor) not in from_dcp:  # meta.pt's own tensors (RNG states), already in memory
                 _put(handle, offsets[id(tensor)], tensor)
         for group in _groups(tensors, fakes, group_bytes):

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.activation_checkpointing import blocks
+from ssl_xcit.models.sharded import tensor_leaves
 
 STRATEGY_NAME = "fsdp2"
 WHOLE_NAME = "fsdp2_whole"
@@ -340,18 +341,6 @@ def sharded_reads(
     return reads, weights
 
 
-def _leaves(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a nested checkpoint in the order ``torch.save`` pickles them."""
-    if isinstance(obj, dict):
-        for value in obj.values():
-            yield from _leaves(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _leaves(value)
-    elif isinstance(obj, torch.Tensor):
-        yield obj
-
-
 def _swap_leaves(obj: Any, swap: Any) -> Any:
     """``obj`` with each tensor ``t`` replaced by ``swap(t)`` (containers copied, their types kept)."""
     if isinstance(obj, dict):
@@ -371,7 +360,7 @@ def _swap_leaves(obj: Any, swap: Any) -> Any:
 
 def _layout(handle: Any, checkpoint: dict[str, Any]) -> list[tuple[int, torch.Tensor]]:
     """Write ``checkpoint``'s ``torch.save`` layout into ``handle`` with room for every storage's bytes, the
-    sharded tensors (DTensors) as shapes only (no memory); returns, in ``_leaves`` order, the byte offset of
+    sharded tensors (DTensors) as shapes only (no memory); returns, in ``tensor_leaves`` order, the byte offset of
     each tensor's storage and the tensor laid out (a CPU tensor; a placeholder for a DTensor). ``torch.load``
     reads the file once the bytes are in place."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -390,8 +379,8 @@ def _layout(handle: Any, checkpoint: dict[str, Any]) -> list[tuple[int, torch.Te
     handle.flush()
     handle.seek(0)
     placed = torch.load(handle, map_location="meta", weights_only=False)  # our own file: where each goes
-    offsets = [meta.untyped_storage()._checkpoint_offset for meta in _leaves(placed)]
-    return list(zip(offsets, _leaves(skeleton), strict=True))
+    offsets = [meta.untyped_storage()._checkpoint_offset for meta in tensor_leaves(placed)]
+    return list(zip(offsets, tensor_leaves(skeleton), strict=True))
 
 
 def _write(handle: Any, offset: int, data: torch.Tensor) -> None:
@@ -415,7 +404,7 @@ def stream_whole_checkpoint(checkpoint: dict[str, Any], path: Path, writer: bool
     failed."""
     from ssl_xcit.utils.io import atomic_write, owner_only
 
-    leaves = list(_leaves(checkpoint))
+    leaves = list(tensor_leaves(checkpoint))
     with atomic_write(path, "w+b", private=owner_only()) if writer else contextlib.nullcontext() as handle:
         laid, error = [], None
         if writer:

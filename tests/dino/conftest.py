@@ -154,8 +154,8 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def torchrun(worker, *args: str, timeout: int = 120) -> None:
-    """Run ``worker`` (a script path) as 2 gloo processes under ``torch.distributed.run``. A rank waiting in
+def torchrun(worker, *args: str, timeout: int = 120, nproc: int = 2) -> None:
+    """Run ``worker`` (a script path) as ``nproc`` gloo processes under ``torch.distributed.run``. A rank waiting in
     a collective the other never enters ends in ``subprocess.TimeoutExpired`` after ``timeout`` seconds, with
     the launcher and both workers killed, never in a hung suite."""
     import os
@@ -169,7 +169,7 @@ def torchrun(worker, *args: str, timeout: int = 120) -> None:
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
         f"--master_port={port}", str(worker), *args,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

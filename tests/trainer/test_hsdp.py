@@ -4,11 +4,6 @@ reduction order, with gradient clipping on (its norms summed over the shards onl
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,32 +13,10 @@ from conftest import _dino
 WORKER = Path(__file__).with_name("hsdp_worker.py")
 
 
-def _torchrun(worker: Path, *args: str, nproc: int, timeout: int) -> None:
-    """``conftest.torchrun`` for ``nproc`` processes: the launcher and its workers killed on a timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           f"--master_port={port}", str(worker), *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in [*_dino._descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.communicate(timeout=30)
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_hsdp_2x2_equals_fsdp2_and_ddp_on_4_processes(tmp_path):
-    _torchrun(WORKER, str(tmp_path), nproc=4, timeout=900)
+    _dino.torchrun(WORKER, str(tmp_path), nproc=4, timeout=900)
     load = lambda run, r: torch.load(tmp_path / run / f"rank{r}.pt", weights_only=True)  # noqa: E731
     for rank in range(4):
         ddp, fsdp, hsdp = load("ddp", rank), load("fsdp2", rank), load("hsdp", rank)
