@@ -57,9 +57,9 @@ def main(argv: Sequence[str] | None = None) -> object:
             raise SystemExit(2)
         return None
     # --trust-checkpoint: every checkpoint this command reads may be fully unpickled (it can run code).
-    from ssl_xcit.models import checkpoint
+    from ssl_xcit.models import safe_load
 
-    checkpoint.TRUST_FROM_CLI = "--trust-checkpoint" in args
+    safe_load.TRUST_FROM_CLI = "--trust-checkpoint" in args
     args = [a for a in args if a != "--trust-checkpoint"]
     command = args[0]
     if command not in COMMANDS:

@@ -66,8 +66,8 @@ def read_mapped_checkpoint(source: str) -> Any | None:
     """SOURCE memory-mapped (see the module docstring), or None when it is not a file this reads."""
     import warnings
 
-    from ssl_xcit.models.checkpoint import _safe_globals
     from ssl_xcit.models.export import is_safetensors
+    from ssl_xcit.models.safe_load import safe_globals
 
     path = Path(source)
     if not path.is_file():
@@ -75,7 +75,7 @@ def read_mapped_checkpoint(source: str) -> Any | None:
     if is_safetensors(path):
         return read_mapped_safetensors(path)
     try:
-        with warnings.catch_warnings(), torch.serialization.safe_globals(_safe_globals()):
+        with warnings.catch_warnings(), torch.serialization.safe_globals(safe_globals()):
             warnings.simplefilter("ignore")  # mapped tensors are never written here
             return torch.load(path, mmap=True, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - the caller's reader reads it again and reports in its own words

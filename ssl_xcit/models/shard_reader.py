@@ -39,10 +39,10 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
         self.trust = trust
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        from ssl_xcit.models.checkpoint import _safe_globals
+        from ssl_xcit.models.safe_load import safe_globals
 
         try:
-            with torch.serialization.safe_globals(_safe_globals()):
+            with torch.serialization.safe_globals(safe_globals()):
                 loaded = torch.load(value, weights_only=not self.trust)
         except pickle.UnpicklingError as error:
             raise UserError(

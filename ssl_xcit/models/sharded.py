@@ -91,14 +91,14 @@ def check_index(path: Path) -> None:
 
 def read_index(path: str | os.PathLike, trust: bool = False) -> Metadata:
     """The DCP index of the folder ``path``, checked (unless trusted) before DCP unpickles it."""
-    from ssl_xcit.models.checkpoint import TRUST_FROM_CLI
+    from ssl_xcit.models import safe_load
 
     path = Path(path)
     if not (path.is_dir() and (path / INDEX_FILE).is_file()):
         raise UserError(
             f"{path} is not a sharded checkpoint: a folder with {INDEX_FILE} and __<rank>_0.distcp files"
         )
-    if not (trust or TRUST_FROM_CLI):
+    if not (trust or safe_load.TRUST_FROM_CLI):
         check_index(path)
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -113,10 +113,9 @@ def read_dcp_entries(
 ) -> dict[str, Any]:
     """The entries ``keys`` (flat DCP keys, e.g. ``state_dict.teacher.backbone.cls_token``) of the folder
     ``path``, whole, on the CPU, and nothing else (``ssl_xcit.models.shard_reader``)."""
-    from ssl_xcit.models import shard_reader
-    from ssl_xcit.models.checkpoint import TRUST_FROM_CLI
+    from ssl_xcit.models import safe_load, shard_reader
 
-    return shard_reader.read_dcp_entries(path, keys, metadata, trust or TRUST_FROM_CLI)
+    return shard_reader.read_dcp_entries(path, keys, metadata, trust or safe_load.TRUST_FROM_CLI)
 
 
 def _path(metadata: Metadata, key: str) -> tuple[Any, ...]:
@@ -168,9 +167,9 @@ def evaluated_network(keys: Iterable[str]) -> str:
 
 
 def _meta(path: Path, trust: bool) -> dict[str, Any]:
-    from ssl_xcit.models.checkpoint import read_checkpoint
+    from ssl_xcit.models.safe_load import read_checkpoint_file
 
-    return dict(read_checkpoint(path / META_FILE, trust))
+    return dict(read_checkpoint_file(path / META_FILE, trust))
 
 
 def read_sharded_checkpoint(
@@ -271,7 +270,7 @@ def gather_checkpoint(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ssl_xcit.models.checkpoint import _safe_globals
+    from ssl_xcit.models.safe_load import safe_globals
     from ssl_xcit.utils.io import atomic_write, owner_only
 
     out = Path(out)
@@ -300,7 +299,7 @@ def gather_checkpoint(
             torch.save(skeleton, handle)  # the layout, with room for every tensor's bytes
         handle.flush()
         handle.seek(0)
-        with torch.serialization.safe_globals(_safe_globals()):
+        with torch.serialization.safe_globals(safe_globals()):
             placed = torch.load(handle, map_location="meta", weights_only=True)  # where each tensor goes
         offsets = {
             id(tensor): meta.untyped_storage()._checkpoint_offset

@@ -11,7 +11,7 @@ import torch
 
 from ssl_xcit.cli import main as cli_main
 from ssl_xcit.models import build_backbone, create_model, read_checkpoint
-from ssl_xcit.models import checkpoint as checkpoint_module
+from ssl_xcit.models import safe_load as checkpoint_module  # where --trust-checkpoint is recorded
 
 
 class _SideEffect:
@@ -81,3 +81,22 @@ def test_plain_pickle_of_a_function_is_refused(tmp_path):
     path.write_bytes(pickle.dumps({"hook": print}))
     with pytest.raises(ValueError, match=r"cannot read checkpoint .*fn\.pth.*--trust-checkpoint"):
         read_checkpoint(path)
+
+
+def test_checkpoint_and_sharded_readers_do_not_import_each_other():
+    """Issue 52 item 8: ``models/checkpoint.py`` and ``models/sharded.py`` imported each other (inside
+    functions); both now build on ``models/safe_load.py``, and sharded.py names nothing of checkpoint.py."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "ssl_xcit" / "models"
+    for module, other in (("sharded", "checkpoint"), ("safe_load", "checkpoint"), ("safe_load", "sharded")):
+        tree = ast.parse((root / f"{module}.py").read_text())
+        imported = {
+            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+        } | {
+            f"{node.module}.{alias.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+            for alias in node.names
+        }
+        assert f"ssl_xcit.models.{other}" not in imported, (module, other)
