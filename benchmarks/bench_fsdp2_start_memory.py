@@ -1,5 +1,5 @@
 """Host memory of a rank when an FSDP2 run starts: networks built whole, then sharded (``whole``, the old start)
-against built on the meta device and materialised shard by shard (``meta``, ``ssl_xcit.trainer.meta_start``).
+against built on the meta device and materialised shard by shard (``meta``, ``ssl_xcit.parallel.meta_start``).
 
 Per start, 2 gloo processes (``torch.distributed.run``) each build DINO on ViT-L/16 (``--out-dim`` prototypes)
 and fit under ``--trainer.strategy fsdp2`` up to the training start (``on_train_start``: networks sharded and
@@ -46,7 +46,7 @@ def worker(start: str, model_size: str, out_dim: int, result: Path) -> None:
 
     from ssl_xcit.data.datasets import collate_train
     from ssl_xcit.dino.module import DINO
-    from ssl_xcit.trainer.meta_start import meta_start
+    from ssl_xcit.parallel.meta_start import meta_start
 
     baseline = vm_hwm_kib()
     backbone, kwargs = MODELS[model_size]

@@ -94,7 +94,7 @@ def run(out: str, world_size: int, accelerator: str, size: int, mode: str = "pla
     )  # fmt: skip
     strategy = "ddp" if world_size > 1 else "auto"
     if mode.startswith("fsdp2"):
-        import ssl_xcit.trainer.fsdp  # noqa: F401 (registers the strategy names)
+        import ssl_xcit.parallel.fsdp  # noqa: F401 (registers the strategy names)
 
         strategy = "fsdp2"
     dtypes = Dtypes()
@@ -119,7 +119,7 @@ def run(out: str, world_size: int, accelerator: str, size: int, mode: str = "pla
         collate_fn=collate_train,
     )
     trainer.fit(model, loader)
-    from ssl_xcit.trainer.fsdp import whole_state_dict
+    from ssl_xcit.parallel.fsdp import whole_state_dict
 
     state = {k: v.cpu() for k, v in whole_state_dict(model.teacher).items()}  # every rank: FSDP2 gathers
     if trainer.global_rank == 0:

@@ -182,7 +182,7 @@ def _fit(out: Path, world: int, accelerator: str, size: int, crash: int | None =
     from ssl_xcit.data.datasets import collate_train
     from ssl_xcit.data.resumable import resumable_loader
     from ssl_xcit.dino.module import DINO
-    from ssl_xcit.trainer.fsdp import whole_state_dict
+    from ssl_xcit.parallel.fsdp import whole_state_dict
 
     generators: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -230,7 +230,7 @@ def _fit(out: Path, world: int, accelerator: str, size: int, crash: int | None =
 
 def work(out: Path, world: int, accelerator: str, size: int) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: repeatable sums
-    import ssl_xcit.trainer.fsdp  # noqa: F401 (registers the strategy names)
+    import ssl_xcit.parallel.fsdp  # noqa: F401 (registers the strategy names)
     from ssl_xcit.models import read_checkpoint
 
     torch.use_deterministic_algorithms(True, warn_only=True)

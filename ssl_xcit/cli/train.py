@@ -28,12 +28,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
-import ssl_xcit.trainer.fsdp  # noqa: F401 - registers --trainer.strategy fsdp2 and fsdp2_whole
+import ssl_xcit.parallel.fsdp  # noqa: F401 - registers --trainer.strategy fsdp2 and fsdp2_whole
 from ssl_xcit.cli.errors import ShortErrorParser
 from ssl_xcit.cli.quiet import cap_workers, install_filters
 from ssl_xcit.cli.rundir import RUN_DIR_ENV, as_list, inherited_run_dir, place_run
 from ssl_xcit.models.sharded import is_checkpoint
-from ssl_xcit.trainer.meta_start import is_fsdp2_setting, meta_start
+from ssl_xcit.parallel.meta_start import is_fsdp2_setting, meta_start
 
 PREEMPTION = "ssl_xcit.trainer.preemption.PreemptionCheckpoint"
 
@@ -85,7 +85,7 @@ class SSLXCiTCLI(LightningCLI):
                 args.num_workers = cap_workers(args.num_workers, f"{name}.num_workers")
 
     def instantiate_classes(self) -> None:
-        # Under FSDP2 the model's networks start on the meta device (ssl_xcit.trainer.meta_start).
+        # Under FSDP2 the model's networks start on the meta device (ssl_xcit.parallel.meta_start).
         config = self.config[self.subcommand] if self.subcommand else self.config
         with meta_start(is_fsdp2_setting(config.trainer.get("strategy"))):
             super().instantiate_classes()

@@ -1,7 +1,9 @@
 """DINO self-distillation for XCiT: head, loss, schedules, optimisation, the LightningModule.
 
-The objective lives here (masked_bn, multicrop, optim, optimizer_step and precision included, as DINO's math);
-the run around the step (callbacks, checkpointing, pre-emption, progress, synced BatchNorm) is in ssl_xcit.trainer.
+The objective lives here (masked_bn, multicrop, optim, optimizer_step and precision included, as DINO's math),
+with the module's lifecycle hooks (``lifecycle``) and the collapse guard that reads its teacher (``collapse``).
+It builds on ssl_xcit.parallel (sharding, meta start, synced BatchNorm, step checks, checkpoint IO) and never
+imports ssl_xcit.trainer, the run around the step (callbacks, pre-emption, progress), which imports it.
 
 >>> from ssl_xcit.dino import DINO
 >>> model = DINO("xcit_nano_12_p16", out_dim=4096)

@@ -50,7 +50,7 @@ from ssl_xcit.dino.optim import objective_optimisation
 from ssl_xcit.dino.step import NUM_GLOBAL_CROPS, StepLosses
 from ssl_xcit.dino.student_ema import ema_update_
 from ssl_xcit.errors import UserError
-from ssl_xcit.trainer.meta_start import meta_start_enabled
+from ssl_xcit.parallel.meta_start import meta_start_enabled
 
 OBJECTIVES = ("dino", "dinov3", "features")
 _HEADED = ("dino", "dinov3")  # the objectives that distil from the teacher's DINO head
@@ -241,9 +241,9 @@ class Distill(DINO):
             self.student_ema.train(False)  # never run forward in training; evaluated in eval mode
 
     def configure_model(self) -> None:
-        from ssl_xcit.trainer.fsdp import is_fsdp2, shard_module
-        from ssl_xcit.trainer.meta_start import capture_all, fill
-        from ssl_xcit.trainer.syncbn import convert_sync_batchnorm, has_batchnorms
+        from ssl_xcit.parallel.fsdp import is_fsdp2, shard_module
+        from ssl_xcit.parallel.meta_start import capture_all, fill
+        from ssl_xcit.parallel.syncbn import convert_sync_batchnorm, has_batchnorms
 
         world_size = self.trainer.world_size
         recipe = getattr(self.teacher, "meta_recipe", None)  # a teacher on the meta device (read_teacher)

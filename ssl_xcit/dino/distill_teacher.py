@@ -30,7 +30,7 @@ from ssl_xcit.dino.init_from import (
 from ssl_xcit.dino.mapped_source import read_mapped_checkpoint
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.registry import as_backbone
-from ssl_xcit.trainer.meta_start import record
+from ssl_xcit.parallel.meta_start import record
 
 OPTION = "--model.teacher"
 
@@ -164,7 +164,7 @@ def read_teacher(source: str | None, on_meta: bool = False) -> FrozenTeacher:
     """The frozen teacher of SOURCE (see the module docstring); one-line ``UserError`` for a bad source.
 
     ``on_meta`` (FSDP2's meta-device start): a one-file SOURCE is read memory-mapped and the backbone is built
-    and loaded on the meta device, recorded (``ssl_xcit.trainer.meta_start``); its ``meta_recipe`` fills each
+    and loaded on the meta device, recorded (``ssl_xcit.parallel.meta_start``); its ``meta_recipe`` fills each
     rank's shards after sharding (``Distill.configure_model``), one tensor at a time, so no rank ever holds it
     whole. The heads are read whole."""
     from ssl_xcit.models.checkpoint import backbone_from_checkpoint

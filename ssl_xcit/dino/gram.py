@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from ssl_xcit.data.crops import gram_crop_side
 from ssl_xcit.errors import UserError
 from ssl_xcit.models.base import PATCH_TOKEN_FAMILIES
-from ssl_xcit.trainer.fsdp import load_whole_state, local_tensors, reshard
+from ssl_xcit.parallel.fsdp import load_whole_state, local_tensors, reshard
 
 # Gram-matrix bytes per chunk of images (float32). Below it a batch is one chunk (no recomputation); above it
 # the peak of the term is a few chunks, whatever the batch.
@@ -246,7 +246,7 @@ class GramTeacher(nn.Module):
 
     def _copy_from(self, teacher_backbone: nn.Module) -> None:
         # Parameters and every buffer, the non-persistent ones too; under FSDP2 shard by shard (both are
-        # sharded alike: ssl_xcit.trainer.fsdp).
+        # sharded alike: ssl_xcit.parallel.fsdp).
         reshard(teacher_backbone)
         source = {**dict(teacher_backbone.named_parameters()), **dict(teacher_backbone.named_buffers())}
         own = {**dict(self.backbone.named_parameters()), **dict(self.backbone.named_buffers())}

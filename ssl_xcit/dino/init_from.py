@@ -54,8 +54,15 @@ from ssl_xcit.models.checkpoint import (
     read_checkpoint,
 )
 from ssl_xcit.models.registry import resolve
-from ssl_xcit.models.sharded import is_checkpoint, is_sharded_checkpoint, read_sharded_checkpoint
-from ssl_xcit.trainer.fsdp import load_whole_state
+from ssl_xcit.models.sharded import (
+    is_checkpoint,
+    is_sharded_checkpoint,
+    model_keys,
+    read_index,
+    read_meta,
+    read_sharded_checkpoint,
+)
+from ssl_xcit.parallel.fsdp import load_whole_state
 
 TIMM_PREFIX = "timm:"
 # Optimiser steps during which a fresh head trains alone on a pretrained backbone (init_head_warmup_steps=None).
@@ -338,10 +345,16 @@ def _head_state(weights: InitWeights, side: str, part: str, module: Any) -> dict
     return got
 
 
-def apply_weights(module: Any, weights: InitWeights) -> dict[str, bool]:
-    """Copy ``weights`` into ``module`` (a DINO) after checking everything fits; returns which parts came
-    from SOURCE (``head``, ``patch_head``)."""
-    plan: list[tuple[nn.Module, dict[str, Tensor]]] = []
+Plan = list[tuple[nn.Module, dict[str, Tensor]]]
+
+
+def plan_weights(
+    module: Any, weights: InitWeights
+) -> tuple[Plan, list[tuple[Tensor, Tensor]], dict[str, bool]]:
+    """Check that ``weights`` fit ``module`` (a DINO), reading no value: the (network part, its state) pairs
+    and the (loss centre, value) pairs to copy, and which parts come from SOURCE (``head``, ``patch_head``,
+    ``centres``)."""
+    plan: Plan = []
     loaded = {"head": True, "patch_head": True}
     _check_norm_last_layer(module, weights)
     for side in ("student", "teacher"):
@@ -367,13 +380,73 @@ def apply_weights(module: Any, weights: InitWeights) -> dict[str, bool]:
                 f"the model's {tuple(loss.center.shape)}"
             )
         centres.append((loss.center, weights.centres[key]))
+    loaded["centres"] = bool(centres)
+    return plan, centres, loaded
+
+
+def apply_weights(module: Any, weights: InitWeights) -> dict[str, bool]:
+    """Copy ``weights`` into ``module`` (a DINO) after checking everything fits; returns which parts came
+    from SOURCE (``head``, ``patch_head``, ``centres``)."""
+    plan, centres, loaded = plan_weights(module, weights)
     with torch.no_grad():
         for target, state in plan:
             load_whole_state(target, state, strict=False)  # checked above: only may-be-fresh keys are absent
         for centre, value in centres:
             centre.copy_(value)
-    loaded["centres"] = bool(centres)
     return loaded
+
+
+class ShardedSource:
+    """A sharded SOURCE (an ``fsdp2`` run's checkpoint folder) read straight into a sharded model: its
+    checkpoint stands in the usual sorting (:func:`weights_from_checkpoint`, :func:`plan_weights`) as meta
+    tensors, shapes and dtypes from the index, so nothing but ``meta.pt`` is read to check the fit; then one
+    collective DCP read copies every planned tensor into its place, each rank reading only its own slices
+    (``ssl_xcit.models.shard_reader.fill_from_dcp``). No rank ever holds a whole network."""
+
+    def __init__(self, source: str) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.source = source
+        self.metadata = read_index(source)
+        self.checkpoint = read_meta(source)
+        self.origin: dict[int, str] = {}  # id(meta tensor) -> its flat DCP key
+        state: dict[str, Tensor] = {}
+        for key, flat in model_keys(self.metadata).items():
+            entry = self.metadata.state_dict_metadata[flat[0]]
+            if _init_key(key) and len(flat) == 1 and isinstance(entry, TensorStorageMetadata):
+                state[key] = torch.empty(entry.size, dtype=entry.properties.dtype, device="meta")
+                self.origin[id(state[key])] = flat[0]
+        self.checkpoint["state_dict"] = state
+
+    def covers(self, plan: Plan, centres: list[tuple[Tensor, Tensor]]) -> bool:
+        """Whether every planned value is a stored tensor as it is (no conversion computed a new one)."""
+        values = [v for _, state in plan for v in state.values()] + [v for _, v in centres]
+        return all(id(v) in self.origin for v in values)
+
+    def fill(self, plan: Plan, centres: list[tuple[Tensor, Tensor]]) -> None:
+        """Copy the planned tensors into the model (collective: every rank, the same plan)."""
+        from ssl_xcit.models.shard_reader import fill_from_dcp  # imports DCP (seconds): only when used
+
+        targets: dict[str, Tensor] = {}
+        again: list[tuple[Tensor, Tensor]] = []  # a stored tensor wanted twice (init_from_ema): copied after
+        pairs = [(target.state_dict(keep_vars=True), state) for target, state in plan]
+        wanted = [(own[k], v) for own, state in pairs for k, v in state.items()] + centres
+        for place, value in wanted:
+            key = self.origin[id(value)]
+            if key in targets:
+                again.append((place, targets[key]))
+            else:
+                targets[key] = place
+        fill_from_dcp(self.source, targets, self.metadata)
+        with torch.no_grad():
+            for place, first in again:
+                place.copy_(first)
+
+
+def _holds_shards(module: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _check_norm_last_layer(module: Any, weights: InitWeights) -> None:
@@ -422,10 +495,16 @@ def start_from_source(module: Any) -> None:
     if not source or module.init_state is not None or module.trainer.ckpt_path is not None:
         return
     check_timm_architecture(str(source), module.hparams.backbone)
-    weights = read_source(str(source))
-    if module.hparams.get("init_from_ema"):  # DINOv3's resume_from_teacher_chkpt: both from the EMA
-        weights = replace(weights, student=weights.teacher)
-    loaded = apply_weights(module, weights)
+    shards = ShardedSource(str(source)) if is_sharded_checkpoint(source) and _holds_shards(module) else None
+    if shards is not None:
+        weights = _from_ema(module, weights_from_checkpoint(shards.checkpoint, str(source)))
+        plan, centres, loaded = plan_weights(module, weights)
+        if shards.covers(plan, centres):  # the same answer on every rank: it reads only the index
+            shards.fill(plan, centres)
+        else:  # a layout whose conversion computes new tensors: read them whole
+            shards = None
+    if shards is None:
+        loaded = apply_weights(module, _from_ema(module, read_source(str(source))))
     fresh = fresh_heads(module.student, loaded)
     wanted = module.hparams.get("init_head_warmup_steps")
     steps = (AUTO_HEAD_WARMUP_STEPS if fresh else 0) if wanted is None else int(wanted)
@@ -440,6 +519,11 @@ def start_from_source(module: Any) -> None:
             else ""
         )
     )
+
+
+def _from_ema(module: Any, weights: InitWeights) -> InitWeights:
+    """With ``init_from_ema``, the student starts from the teacher too (DINOv3's ``resume_from_teacher_chkpt``)."""
+    return replace(weights, student=weights.teacher) if module.hparams.get("init_from_ema") else weights
 
 
 def fresh_heads(student: nn.Module, loaded: Mapping[str, bool]) -> list[str]:

@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from ssl_xcit.dino.precision import float32_math
-from ssl_xcit.trainer.step_checks import host_group
+from ssl_xcit.parallel.step_checks import host_group
 
 
 def nearest_neighbours(x: torch.Tensor) -> torch.Tensor:

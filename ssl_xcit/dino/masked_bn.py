@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.trainer.syncbn import AllReduceBatchNorm
+from ssl_xcit.models.base import list_input
+from ssl_xcit.parallel.syncbn import AllReduceBatchNorm
 
 
 def weighted_batch_norm(bn: nn.BatchNorm2d, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -49,9 +50,11 @@ def weighted_batch_norm(bn: nn.BatchNorm2d, x: torch.Tensor, weights: torch.Tens
 
 
 @contextlib.contextmanager
-def statistics_from_unmasked(module: nn.Module, mask: torch.Tensor) -> Iterator[None]:
+def statistics_from_unmasked(module: nn.Module, mask: torch.Tensor, element: int = 0) -> Iterator[None]:
     """Within the block, every BatchNorm2d of ``module`` in training mode that sees a batch of ``mask``'s size
-    takes its statistics from the crops without masked patches (``mask`` (B, N) bool)."""
+    takes its statistics from the crops without masked patches (``mask`` (B, N) bool). Inside a list forward
+    (``forward_cls_patches_list``: the masked crops and the local ones in one call) only while it computes its
+    input ``element``, the masked one; the others keep their own plain statistics, as in a call of their own."""
     if any(isinstance(m, (nn.SyncBatchNorm, AllReduceBatchNorm)) for m in module.modules()):
         # Statistics of a subset of crops would need their own all-reduce; this diagnosis option is not worth it
         # (docs/ibot.md: it changed nothing measurable), so it refuses rather than silently doing nothing.
@@ -66,7 +69,7 @@ def statistics_from_unmasked(module: nn.Module, mask: torch.Tensor) -> Iterator[
 
     def patched(bn: nn.BatchNorm2d):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] != weights.shape[0]:  # not this pass's batch: the usual BatchNorm
+            if x.shape[0] != weights.shape[0] or list_input() not in (None, element):  # not the masked batch
                 return type(bn).forward(bn, x)
             return weighted_batch_norm(bn, x, weights)
 

@@ -11,7 +11,7 @@ One training step, top to bottom (``main_dino.py:train_one_epoch``):
    term when that weight is > 0 (half of the student's global crops get block masks; the teacher sees them
    unmasked; ``ssl_xcit.dino.ibot``). ``compute_losses`` is this step's math, shared with ``validation_step``;
 3. record on the device whether the loss is finite (read every ``sync_every_n_steps`` steps:
-   ``ssl_xcit.trainer.step_checks``);
+   ``ssl_xcit.parallel.step_checks``);
 4. backward; gradient clipping (per parameter, or per submodule: ``clip_mode``); last-layer gradients dropped while epoch < freeze_last_layer;
    optimiser step;
 5. EMA of the student's parameters into the teacher with the per-iteration momentum.
@@ -33,6 +33,7 @@ from ssl_xcit.dino.gram import build_gram_teacher, gram_crops_from_batch, gram_w
 from ssl_xcit.dino.ibot import MaskedPatches, MaskSampler
 from ssl_xcit.dino.ibot_loss import iBOTPatchLoss
 from ssl_xcit.dino.init_from import check_init_settings
+from ssl_xcit.dino.lifecycle import DINOLifecycle
 from ssl_xcit.dino.loss import DINOLoss, TeacherTargets
 from ssl_xcit.dino.multicrop import buffers_preserved, crops_from_batch, student_and_teacher
 from ssl_xcit.dino.optim import apply_schedules
@@ -49,9 +50,8 @@ from ssl_xcit.dino.step import (
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
 from ssl_xcit.models.activation_checkpointing import enable_activation_checkpointing
-from ssl_xcit.trainer.lifecycle import DINOLifecycle
-from ssl_xcit.trainer.meta_start import meta_device_if, recorded_construction
-from ssl_xcit.trainer.step_checks import FiniteWatch, HostAgreement
+from ssl_xcit.parallel.meta_start import meta_device_if, recorded_construction
+from ssl_xcit.parallel.step_checks import FiniteWatch, HostAgreement
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -107,7 +107,7 @@ class DINO(DINOLifecycle):
         activation_checkpointing: recompute each student block's activations in the backward instead of keeping
             them (``ssl_xcit.models.activation_checkpointing``): memory for compute, docs/benchmarks.md.
         collapse_guard: ``warn`` once, or ``stop`` the run, when the teacher holds a collapse mode for
-            ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.trainer.collapse``);
+            ``collapse_patience`` steps after the first ``collapse_grace_steps`` (``ssl_xcit.dino.collapse``);
             ``off`` disables it.
         koleo_weight: weight of DINOv2's KoLeo regulariser on the student's global-crop embeddings (0 = off,
             as in DINO; DINOv2 uses 0.1). It spreads the batch apart, which small data needs to escape the
@@ -273,7 +273,7 @@ class DINO(DINOLifecycle):
         ibot_out_dim = out_dim if ibot_out_dim is None else ibot_out_dim
         self.ibot = ibot_loss_weight > 0
         # Under --trainer.strategy fsdp2 the networks start on the meta device and configure_model materialises
-        # each rank's shards (ssl_xcit.trainer.meta_start); the recipe replays this construction exactly.
+        # each rank's shards (ssl_xcit.parallel.meta_start); the recipe replays this construction exactly.
         with recorded_construction(self.builds_on_meta) as self._meta_recipe:
             self.student, self.teacher = student_and_teacher(
                 create_model,

@@ -19,7 +19,16 @@ class MultiCropWrapper(nn.Module):
     """Backbone + head over a list of crops. Consecutive crops of the same resolution are concatenated and go
     through the backbone in one call (2 calls for 2 global + N local crops); the head then runs once on all
     embeddings. Output rows are view-major: [view0 batch, view1 batch, ...]. ``return_embeddings`` also
-    returns the backbone embeddings (same row order), for regularisers on the backbone output (KoLeo)."""
+    returns the backbone embeddings (same row order), for regularisers on the backbone output (KoLeo).
+
+    ``lockstep_crops`` (set by FSDP2's sharding when the student's blocks reshard after forward): a backbone
+    with ``takes_input_lists`` (XCiT, ViT, DINOv3's ViT) takes all crop groups in one call,
+    ``forward_cls_patches_list``, each block called once for all of them, so FSDP2 gathers it twice a step
+    instead of twice per group. Each group is computed as in its own call (its BatchNorm statistics its own);
+    only the order of drop path's random draws differs (block by block across the groups), which is why it is
+    off by default: otherwise results are bitwise the separate calls' (tests/dino/test_lockstep_crops.py)."""
+
+    lockstep_crops: bool = False
 
     def __init__(self, backbone: nn.Module, head: nn.Module, patch_head: nn.Module | None = None) -> None:
         super().__init__()
@@ -69,27 +78,31 @@ class MultiCropWrapper(nn.Module):
             if bn_from_unmasked and masks is not None
             else contextlib.nullcontext()
         )
+        x = dynamic_batch(torch.cat(list(crops[:n_global])))
+        mask = dynamic_batch(masks) if masks is not None else None
+        if self._lockstep():
+            groups = _resolution_groups(crops[n_global:])
+            with stats:  # the masked BatchNorm statistics apply to the list's first input alone
+                passes = self.backbone.forward_cls_patches_list([x, *groups], [mask] + [None] * len(groups))
+            patches = passes[0][1]
+            embedding = torch.cat([e for e, _ in passes])
+            return self.head(embedding), embedding, patches
         with stats:
-            x = dynamic_batch(torch.cat(list(crops[:n_global])))
-            embedding, patches = patch_pass(
-                self.backbone, x, dynamic_batch(masks) if masks is not None else None
-            )
+            embedding, patches = patch_pass(self.backbone, x, mask)
         embeddings = [embedding]
         if len(crops) > n_global:
             embeddings.append(self._embed(crops[n_global:]))
         embedding = torch.cat(embeddings)
         return self.head(embedding), embedding, patches
 
+    def _lockstep(self) -> bool:
+        return self.lockstep_crops and getattr(self.backbone, "takes_input_lists", False)
+
     def _embed(self, crops: Sequence[torch.Tensor]) -> torch.Tensor:
-        embeddings = []
-        start = 0
-        while start < len(crops):
-            end = start + 1
-            while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
-                end += 1
-            embeddings.append(self.backbone(dynamic_batch(torch.cat(list(crops[start:end])))))
-            start = end
-        return torch.cat(embeddings)
+        groups = _resolution_groups(crops)
+        if len(groups) > 1 and self._lockstep():
+            return torch.cat([e for e, _ in self.backbone.forward_cls_patches_list(groups)])
+        return torch.cat([self.backbone(x) for x in groups])
 
     def forward(
         self, crops: torch.Tensor | Sequence[torch.Tensor], return_embeddings: bool = False
@@ -99,6 +112,19 @@ class MultiCropWrapper(nn.Module):
         embedding = self._embed(crops)
         output = self.head(embedding)
         return (output, embedding) if return_embeddings else output
+
+
+def _resolution_groups(crops: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive crops of one resolution concatenated: one backbone input per group."""
+    groups = []
+    start = 0
+    while start < len(crops):
+        end = start + 1
+        while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
+            end += 1
+        groups.append(dynamic_batch(torch.cat(list(crops[start:end]))))
+        start = end
+    return groups
 
 
 def _cls_patches(backbone: nn.Module, x: torch.Tensor, mask: torch.Tensor | None):

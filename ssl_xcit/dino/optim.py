@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.trainer.fsdp import local_tensors, tensor_norms
+from ssl_xcit.parallel.fsdp import local_tensors, tensor_norms
 
 OPTIMIZERS = ("adamw", "sgd", "lars")
 

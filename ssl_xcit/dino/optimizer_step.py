@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ssl_xcit.dino.init_from import drop_backbone_gradients, head_warmup_steps
 from ssl_xcit.dino.optim import cancel_gradients_last_layer, clip_gradients, clip_per_module
-from ssl_xcit.trainer.fsdp import local_parameters
+from ssl_xcit.parallel.fsdp import local_parameters
 
 
 def gradient_sync(trainer: Any, sync: bool) -> Any:

@@ -21,7 +21,7 @@ def ema_update_(ema: nn.Module, model: nn.Module, momentum: float) -> None:
     """``ema`` <- momentum x ``ema`` + (1 - momentum) x ``model`` over parameters and float buffers, in place;
     other buffers copied. Both modules have the same structure; under FSDP2 the same units, so the update runs
     on the local shards, after freeing any gathered copy a forward left (it would be stale after the update)."""
-    from ssl_xcit.trainer.fsdp import local_parameters
+    from ssl_xcit.parallel.fsdp import local_parameters
 
     params = local_parameters(ema)
     source = [p.detach() for p in local_parameters(model)]

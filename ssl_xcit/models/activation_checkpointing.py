@@ -3,7 +3,7 @@
 Each transformer block keeps only its input during the forward and recomputes its activations in the
 backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved so drop path draws the same masks).
 The block's ``forward`` is wrapped on the instance, so parameter names, state dicts and checkpoints are
-unchanged, and FSDP2's per-block units (``ssl_xcit.trainer.fsdp``) and DDP wrap it as they wrap the block.
+unchanged, and FSDP2's per-block units (``ssl_xcit.parallel.fsdp``) and DDP wrap it as they wrap the block.
 
 BatchNorm layers inside a block (XCiT's LPI) run twice per step; the recomputation normalises with the
 batch statistics as the first pass did, and the running statistics it moves are put back afterwards, so they

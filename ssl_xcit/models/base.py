@@ -19,19 +19,25 @@ computes them:
 ``token_grid(h, w)``        the patch grid (h', w') of an input size
 =========================== ==============================================================================
 
+``forward_cls_patches_list(xs, masks=None)`` gives ``forward_cls_patches`` of each input of a plain list, each
+computed exactly as alone; with ``takes_input_lists`` each block is called once with the list of all inputs' tokens
+(FSDP2 then gathers it once for all of them: docs/scaling.md), else one pass per input.
+
 Masking (iBOT, ``supports_masking``): ``enable_masking()`` adds the ``mask_token`` parameter; XCiT, ViT and CaiT
 replace the embedding of each masked patch with it after patch embedding and before the positional encoding
 (as iBOT and DINOv2 do), DINOv3's ViTs before the prefix tokens and the RoPE of attention (as DINOv3 does), and ``forward_patch_tokens`` / ``forward_features`` take the same optional mask.
 
 Class attributes: ``family`` (registry family), ``name`` (registry variant), ``embed_dim``, ``dense_dim``,
 ``size_multiple`` (input sides must be multiples of it), ``has_attention_maps``, ``gives_patch_tokens``
-(``forward_cls_patches`` works without a mask: true wherever masking is, and for ConvNeXt).
+(``forward_cls_patches`` works without a mask: true wherever masking is, and for ConvNeXt), ``takes_input_lists``
+(XCiT, ViT, DINOv3's ViT: blocks whose ``forward`` also takes a list of inputs, :class:`ListForward`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +52,66 @@ class AttentionNotSupported(NotImplementedError):
 MASKING_FAMILIES = ("xcit", "vit", "cait", "dinov3")
 # Families whose forward_cls_patches gives the final-norm patch tokens of one pass (Gram anchoring reads them).
 PATCH_TOKEN_FAMILIES = (*MASKING_FAMILIES, "convnext")
+
+
+class _ListInput:
+    """Which input of a list forward (:func:`per_input`) is being computed; None outside one."""
+
+    index: int | None = None
+
+
+def list_input() -> int | None:
+    """The index of the input a list forward is computing now (None outside one): iBOT's masked BatchNorm
+    statistics (``ssl_xcit.dino.masked_bn``) apply to the masked input of a list only."""
+    return _ListInput.index
+
+
+def per_input(forward: Callable[..., Any], xs: list[Tensor], *args: Any, **kwargs: Any) -> list[Any]:
+    """``forward`` on each input of the plain list ``xs``, in order, each computed exactly as alone. Every other
+    argument that is a list gives each input its own element (XCiT's grid sides, DINOv3's RoPE); any other is
+    passed to every input."""
+    n = len(xs)
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, list) and len(value) != n:
+            raise ValueError(f"a list forward of {n} inputs got a per-input argument of {len(value)}")
+
+    def pick(value: Any, i: int) -> Any:
+        return value[i] if isinstance(value, list) else value
+
+    outer = _ListInput.index
+    outputs = []
+    try:
+        for i, x in enumerate(xs):
+            _ListInput.index = i
+            outputs.append(
+                forward(x, *(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()})
+            )
+    finally:
+        _ListInput.index = outer
+    return outputs
+
+
+class ListForward:
+    """Mixin for a block class (first base, before the block's own class): ``forward`` also takes a plain list of
+    inputs and returns the list of what each input alone gives (:func:`per_input`). One call of the block then
+    serves every input, so FSDP2, whose hooks run once per call of a sharded module, gathers it once in forward
+    and once in backward for all of them, as DINOv3's blocks taking lists. The class adds no module or
+    parameter: state dict keys are the block's own. A plain ``list`` (FSDP2 flattens it with pytree; a list
+    subclass would be one leaf, and the backward hooks would miss its tensors)."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, list):
+            return per_input(super().forward, x, *args, **kwargs)  # type: ignore[misc]
+        return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+
+
+def input_masks(xs: Sequence[Tensor], masks: Sequence[Tensor | None] | None) -> list[Tensor | None]:
+    """``masks`` as a list with one entry per input (None: no input masked)."""
+    if masks is None:
+        return [None] * len(xs)
+    if len(masks) != len(xs):
+        raise ValueError(f"{len(xs)} inputs got {len(masks)} masks (None for an unmasked input)")
+    return list(masks)
 
 
 class MaskingNotSupported(UserError):
@@ -65,6 +131,7 @@ class Backbone(nn.Module):
     supports_masking: bool = False
     gives_patch_tokens: bool = False  # forward_cls_patches gives final-norm patch tokens (implied by masking)
     masking_refusal: str = ""  # why the family cannot be masked, appended to MaskingNotSupported
+    takes_input_lists: bool = False  # forward_cls_patches_list calls each block once for all inputs
 
     def check_input(self, x: Tensor) -> None:
         if x.ndim != 4:
@@ -140,6 +207,13 @@ class Backbone(nn.Module):
         tokens = self.forward_features(x, mask=mask)
         prefix = int(getattr(self, "num_prefix_tokens", 1))
         return self.forward_head(tokens, pre_logits=True), tokens[:, prefix:]
+
+    def forward_cls_patches_list(
+        self, xs: list[Tensor], masks: list[Tensor | None] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``forward_cls_patches(x, mask)`` of each input of ``xs`` (with its mask, None for none). Here one
+        pass per input; families with ``takes_input_lists`` run each block once with all inputs' tokens."""
+        return [self.forward_cls_patches(x, mask=m) for x, m in zip(xs, input_masks(xs, masks), strict=True)]
 
     def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:
         raise NotImplementedError

@@ -28,12 +28,13 @@ from collections.abc import Mapping, Sequence
 
 import timm
 import torch
+from timm.models import eva
 from timm.models.eva import Eva
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone
+from ssl_xcit.models.base import Backbone, ListForward, input_masks, per_input
 
 # Width of each size timm registers (``_qkvb``: the variants with q and v biases, as Meta's S and S+ have).
 _WIDTHS = {
@@ -58,6 +59,11 @@ VARIANTS: dict[str, dict] = {
         key=lambda n: (list(_WIDTHS).index(_SIZE.match(n).group(1)), n),
     )
 }
+
+
+class EvaBlock(ListForward, eva.EvaBlock):
+    """timm's ``EvaBlock`` whose ``forward`` also takes a list of token tensors, with a list of their RoPE
+    (``forward_cls_patches_list``, as DINOv3's blocks take lists); same name and parameters."""
 
 
 class DinoV3ViT(Backbone, Eva):
@@ -94,6 +100,10 @@ class DinoV3ViT(Backbone, Eva):
         self.size_multiple = self.patch_size = self.patch_embed.patch_size[0]
         self.depth = len(self.blocks)
         self.has_attention_maps = True
+        for block in self.blocks:  # in place: no new module, parameter names unchanged
+            if type(block) is eva.EvaBlock:
+                block.__class__ = EvaBlock
+        self.takes_input_lists = all(type(b) is EvaBlock for b in self.blocks)
 
     # ------------------------------------------------------------------------------------------ forward
     def _tokens(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -103,10 +113,26 @@ class DinoV3ViT(Backbone, Eva):
         x, rope = self._pos_embed(x)
         return self.norm_pre(x), rope
 
-    def _block(self, block: nn.Module, x: Tensor, rope: Tensor | None) -> Tensor:
+    def _block(
+        self, block: nn.Module, x: Tensor | list[Tensor], rope: Tensor | list | None
+    ) -> Tensor | list[Tensor]:
         if self.grad_checkpointing and torch.is_grad_enabled():
             return checkpoint(block, x, rope=rope, use_reentrant=False)
         return block(x, rope=rope)
+
+    def forward_cls_patches_list(
+        self, xs: list[Tensor], masks: list[Tensor | None] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``forward_cls_patches`` of each input, each block called once with the list of all inputs' tokens
+        and their RoPE (DINOv3's ``forward_features_list``)."""
+        if not self.takes_input_lists:
+            return super().forward_cls_patches_list(xs, masks)
+        prepared = per_input(self._tokens, list(xs), input_masks(xs, masks))
+        tokens, ropes = [t for t, _ in prepared], [r for _, r in prepared]
+        for block in self.blocks:
+            tokens = self._block(block, tokens, ropes)
+        tokens = [self.norm(t) for t in tokens]
+        return [(self.forward_head(t, pre_logits=True), t[:, self.num_prefix_tokens :]) for t in tokens]
 
     def _run(self, x: Tensor, mask: Tensor | None = None, upto: int | None = None):
         """Yield (block index, all tokens after the block) up to block ``upto`` (the last by default)."""

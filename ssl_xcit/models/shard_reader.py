@@ -94,6 +94,28 @@ def read_dcp_entries(
     return targets
 
 
+def fill_from_dcp(path: str | os.PathLike, targets: dict[str, torch.Tensor], metadata: Metadata) -> None:
+    """Copy the folder's entries into ``targets`` (flat DCP key -> a tensor of the model, in place), with DCP
+    planning the reads: a sharded target (a ``DTensor``) reads only this rank's slice, a plain one the whole
+    entry. A collective when a process group is initialised: every rank calls it with the same keys."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    for key, target in targets.items():
+        entry = metadata.state_dict_metadata.get(key)
+        if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != tuple(target.shape):
+            raise UserError(
+                f"cannot read sharded checkpoint {path}: {key} is not a tensor of {tuple(target.shape)}"
+            )
+    with torch.no_grad():
+        dcp.load(
+            targets,
+            storage_reader=ShardReader(path, metadata),
+            planner=_WeightsOnlyPlanner(),
+            no_dist=not (dist.is_available() and dist.is_initialized()),
+        )
+
+
 def _cause(error: BaseException) -> BaseException:
     """The reader's own exception inside DCP's ``CheckpointException`` (``failures``: rank -> (exception,
     traceback)), else ``error``."""

@@ -166,10 +166,11 @@ def evaluated_network(keys: Iterable[str]) -> str:
     return next((n for n in EVALUATED if any(k.startswith(n + ".") for k in keys)), EVALUATED[-1])
 
 
-def _meta(path: Path, trust: bool) -> dict[str, Any]:
+def read_meta(path: str | os.PathLike, trust: bool = False) -> dict[str, Any]:
+    """The folder's ``meta.pt`` (Lightning's non-tensor entries: hyperparameters, loops, RNG states)."""
     from ssl_xcit.models.safe_load import read_checkpoint_file
 
-    return dict(read_checkpoint_file(path / META_FILE, trust))
+    return dict(read_checkpoint_file(Path(path) / META_FILE, trust))
 
 
 def read_sharded_checkpoint(
@@ -187,7 +188,7 @@ def read_sharded_checkpoint(
     if not is_sharded_checkpoint(path):
         raise UserError(f"{path} is not a sharded checkpoint (a folder with {INDEX_FILE} and {META_FILE})")
     metadata = read_index(path, trust)  # the index is checked before meta.pt is unpickled
-    checkpoint = _meta(path, trust)
+    checkpoint = read_meta(path, trust)
     keys = model_keys(metadata)
     if backbone:
         prefix = f"{evaluated_network(keys)}.backbone."
@@ -266,7 +267,8 @@ def gather_checkpoint(
     """Write the sharded checkpoint ``source`` as the one file ``out`` (atomically); returns ``out``. For a
     folder of ``--trainer.strategy fsdp2`` the file is what ``fsdp2_whole`` writes: every command reads it, and
     an FSDP2 run resumes from it. For another trainer's DCP folder, its whole state dict as saved. Tensors are
-    read ``group_bytes`` at a time and written in place, so memory holds one group, never the folder."""
+    read ``group_bytes`` at a time and written in place, so memory holds one group, never the folder. An ``out``
+    ending in ``.safetensors`` holds the model's tensors only (:func:`_gather_safetensors`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -281,12 +283,14 @@ def gather_checkpoint(
     metadata = read_index(source, trust)
     entries = metadata.state_dict_metadata
     tensors = [k for k, e in entries.items() if isinstance(e, TensorStorageMetadata)]
+    if out.suffix.lower() == ".safetensors":
+        return _gather_safetensors(source, out, metadata, tensors, ours, trust, group_bytes)
     values = read_dcp_entries(source, [k for k in entries if k not in set(tensors)], metadata, trust)
     with FakeTensorMode():  # shapes and dtypes only: the skeleton torch.save lays out
         fakes = {k: torch.empty(entries[k].size, dtype=entries[k].properties.dtype) for k in tensors}
     nested = _nest({k: fakes.get(k, values.get(k)) for k in entries}, metadata)
     if ours:
-        skeleton = _meta(source, trust)
+        skeleton = read_meta(source, trust)
         skeleton[STATE] = nested.pop(STATE, {})
         optimizers = sorted((k for k in nested if k.startswith("optimizer_")), key=_optimizer_index)
         skeleton["optimizer_states"] = [nested[k] for k in optimizers]
@@ -312,6 +316,71 @@ def gather_checkpoint(
         for group in _groups(tensors, fakes, group_bytes):
             for key, tensor in read_dcp_entries(source, group, metadata, trust).items():
                 _put(handle, offsets[id(fakes[key])], tensor)
+    return out
+
+
+# safetensors' dtype names (its format specification), for the header gather_checkpoint writes itself.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+def _gather_safetensors(
+    source: Path, out: Path, metadata: Metadata, tensors: list[str], ours: bool, trust: bool, group_bytes: int
+) -> Path:
+    """:func:`gather_checkpoint` to a ``.safetensors`` file: the model's tensors only (no optimiser state, no
+    loop state), named by model key (``teacher.backbone.cls_token``) for a folder of ours, with the backbone
+    and its kwargs in the metadata as ``ssl-xcit export`` writes them, so every reader takes the file; another
+    trainer's tensors named by their saved path joined with dots (``model.student.backbone...``, what
+    ``--model.init_from`` reads of DINOv3's layout). The header is written from the index first, then each
+    tensor's bytes in order, ``group_bytes`` at a time: safetensors' own writer needs every tensor in memory
+    at once, which is what a folder larger than memory cannot give."""
+    import json
+
+    from ssl_xcit.models.export import SAFETENSORS_KWARGS_KEY, SAFETENSORS_NAME_KEY
+    from ssl_xcit.utils.io import atomic_write, owner_only
+
+    entries = metadata.state_dict_metadata
+    names: dict[str, str] = {}
+    for key in tensors:
+        path = _path(metadata, key)
+        if str(path[0]).startswith("optimizer"):
+            continue
+        if ours and path[0] != STATE:
+            continue
+        names[key] = str(path[1]) if ours else ".".join(str(p) for p in path)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    if ours:
+        hparams = read_meta(source, trust).get("hyper_parameters") or {}
+        if isinstance(hparams.get("backbone"), str):
+            header["__metadata__"][SAFETENSORS_NAME_KEY] = hparams["backbone"]
+            kwargs = dict(hparams.get("backbone_kwargs") or {})
+            header["__metadata__"][SAFETENSORS_KWARGS_KEY] = json.dumps(kwargs, sort_keys=True, default=list)
+    start = 0
+    fakes: dict[str, torch.Tensor] = {}
+    for key, name in names.items():
+        entry = entries[key]
+        dtype = _SAFETENSORS_DTYPES.get(entry.properties.dtype)
+        if dtype is None:
+            raise UserError(
+                f"cannot write {name} ({entry.properties.dtype}) to safetensors, which stores "
+                f"{', '.join(sorted(set(_SAFETENSORS_DTYPES.values())))}: gather to a .ckpt instead"
+            )
+        nbytes = torch.Size(entry.size).numel() * torch.empty((), dtype=entry.properties.dtype).element_size()
+        header[name] = {"dtype": dtype, "shape": list(entry.size), "data_offsets": [start, start + nbytes]}
+        fakes[key] = torch.empty(entry.size, dtype=entry.properties.dtype, device="meta")
+        start += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' writer places it
+    with atomic_write(out, "wb", private=owner_only()) as handle:
+        handle.write(len(text).to_bytes(8, "little") + text)
+        for group in _groups(list(names), fakes, group_bytes):
+            read = read_dcp_entries(source, group, metadata, trust)
+            for key in group:  # in the header's order
+                data = read[key].contiguous().reshape(-1).view(torch.uint8).numpy()
+                handle.write(memoryview(data))
     return out
 
 

@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 
 import timm
 import torch
+from timm.models import vision_transformer
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import AttentionNotSupported, Backbone
+from ssl_xcit.models.base import AttentionNotSupported, Backbone, ListForward, input_masks, per_input
 
 VARIANTS: dict[str, dict] = {
     name: {"model_name": name}
@@ -33,6 +34,11 @@ VARIANTS: dict[str, dict] = {
     )
 }
 _WIDTHS = {"tiny": 192, "small": 384, "base": 768, "large": 1024}
+
+
+class Block(ListForward, vision_transformer.Block):
+    """timm's ViT ``Block`` whose ``forward`` also takes a list of token tensors (``forward_cls_patches_list``);
+    same name and parameters. :class:`TimmViT` gives its timm blocks this class in place."""
 
 
 class TimmViT(Backbone, VisionTransformer):
@@ -70,6 +76,12 @@ class TimmViT(Backbone, VisionTransformer):
         self.size_multiple = self.patch_size = self.patch_embed.patch_size[0]
         self.depth = len(self.blocks)
         self.has_attention_maps = self.cls_token is not None
+        # timm's plain blocks take lists once given the subclass (no new module: parameter names unchanged);
+        # a variant with other blocks (parallel ones) keeps them and one pass per input.
+        for block in self.blocks:
+            if type(block) is vision_transformer.Block:
+                block.__class__ = Block
+        self.takes_input_lists = all(type(b) is Block for b in self.blocks)
 
     def _tokens(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         self.check_input(x)
@@ -95,6 +107,20 @@ class TimmViT(Backbone, VisionTransformer):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self._checkpointing() else block(x)
         return self.norm(x)
+
+    def forward_cls_patches_list(
+        self, xs: list[Tensor], masks: list[Tensor | None] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``forward_cls_patches`` of each input, each block called once with the list of all inputs' tokens."""
+        if not self.takes_input_lists:
+            return super().forward_cls_patches_list(xs, masks)
+        tokens = per_input(self._tokens, list(xs), input_masks(xs, masks))
+        for block in self.blocks:
+            tokens = (
+                checkpoint(block, tokens, use_reentrant=False) if self._checkpointing() else block(tokens)
+            )
+        tokens = [self.norm(t) for t in tokens]
+        return [(self.forward_head(t, pre_logits=True), t[:, self.num_prefix_tokens :]) for t in tokens]
 
     def _checkpointing(self) -> bool:
         return self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting()

@@ -26,8 +26,19 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone
-from ssl_xcit.models.layers import ClassAttentionBlock, PositionalEncodingFourier, XCABlock, conv_patch_embed
+from ssl_xcit.models import layers
+from ssl_xcit.models.base import Backbone, ListForward, input_masks, per_input
+from ssl_xcit.models.layers import PositionalEncodingFourier, conv_patch_embed
+
+
+class XCABlock(ListForward, layers.XCABlock):
+    """:class:`ssl_xcit.models.layers.XCABlock` whose ``forward`` also takes a list of token tensors, with lists
+    of their grid sides (``forward_cls_patches_list``); same name and parameters."""
+
+
+class ClassAttentionBlock(ListForward, layers.ClassAttentionBlock):
+    """:class:`ssl_xcit.models.layers.ClassAttentionBlock` whose ``forward`` also takes a list of token tensors
+    and returns the list of its ``(tokens, attention)`` pairs; same name and parameters."""
 
 
 class XCiT(Backbone):
@@ -54,6 +65,7 @@ class XCiT(Backbone):
     family = "xcit"
     has_attention_maps = True
     supports_masking = True
+    takes_input_lists = True
 
     def __init__(
         self,
@@ -167,7 +179,9 @@ class XCiT(Backbone):
             x = x + self.pos_embed(height, width).to(x.dtype)
         return self.pos_drop(x), (height, width)
 
-    def _run_block(self, block: XCABlock, x: Tensor, height: int, width: int) -> Tensor:
+    def _run_block(
+        self, block: XCABlock, x: Tensor | list[Tensor], height: int | list[int], width: int | list[int]
+    ) -> Tensor | list[Tensor]:
         if self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting():
             return checkpoint(block, x, height, width, use_reentrant=False)
         return block(x, height, width)
@@ -194,6 +208,24 @@ class XCiT(Backbone):
         """All tokens (B, 1 + N, C) after class attention and the final norm; token 0 is CLS."""
         x, _ = self.forward_patch_tokens(x, mask)
         return self._class_attention(x)[0]
+
+    def forward_cls_patches_list(
+        self, xs: list[Tensor], masks: list[Tensor | None] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``forward_cls_patches`` of each input, each XCA and class-attention block called once with the list
+        of all inputs' tokens; the stem (and its BatchNorm statistics) runs per input, as in separate passes."""
+        embedded = per_input(self._embed, list(xs), input_masks(xs, masks))
+        tokens = [t for t, _ in embedded]
+        heights, widths = [h for _, (h, _) in embedded], [w for _, (_, w) in embedded]
+        for block in self.blocks:
+            tokens = self._run_block(block, tokens, heights, widths)
+        tokens = [
+            torch.cat((self.cls_token.expand(t.shape[0], -1, -1).to(t.dtype), t), dim=1) for t in tokens
+        ]
+        for block in self.cls_attn_blocks:
+            tokens = [t for t, _ in block(tokens)]
+        tokens = [self.norm(t) for t in tokens]
+        return [(self.forward_head(t, pre_logits=True), t[:, 1:]) for t in tokens]
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         x = self.head_drop(x[:, 0])

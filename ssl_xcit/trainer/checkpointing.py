@@ -1,73 +1,25 @@
-"""Atomic checkpoint writes that follow the umask, and the checkpoint callbacks of the recipes.
+"""The checkpoint callbacks of the recipes (:func:`dino_checkpoints`), and the checkpoint IO they write through.
 
-Lightning's default ``TorchCheckpointIO`` (2.6, ``lightning.fabric.utilities.cloud_io._atomic_save``) is already
-atomic: it serialises the whole checkpoint into an in-memory buffer, then writes it in an fsspec transaction (a
-temporary file moved into place on a local disk). :class:`AtomicCheckpointIO` writes a local checkpoint to a
-temporary file in the same folder and renames it over the target (``ssl_xcit.utils.io.atomic_torch_save``)
-without the in-memory copy: a kill mid-write leaves the previous checkpoint intact either way. Local files get
-0666 minus the umask, or 0600 with ``SSL_XCIT_PRIVATE=1`` (``ssl_xcit.utils.io.owner_only``).
-
-A remote ``default_root_dir`` (``s3://``, ``gs://``, any fsspec protocol but ``file``) goes through Lightning's
-own IO, which writes through fsspec; ``Trainer.save_checkpoint(..., storage_options=...)`` hands its options
-to that filesystem. ``DINO.setup`` installs the plugin when the Trainer uses the default checkpoint IO, so it
-is on for the CLI, the Python API and tests alike.
+:class:`AtomicCheckpointIO` and :func:`last_checkpoint` live in ``ssl_xcit.parallel.checkpoint_io`` (below the
+objective, whose ``setup`` installs the IO); they are re-exported here because saved run configs
+(``trainer.plugins``) name ``ssl_xcit.trainer.checkpointing.AtomicCheckpointIO``. :class:`DINOCheckpoint` is the
+deprecated callback that configs saved before commit 58ca76d name by its old path
+``ssl_xcit.dino.checkpointing.DINOCheckpoint`` (``ssl_xcit._renamed`` points that module here).
 """
 
 from __future__ import annotations
 
-import io
-import os
-from pathlib import Path
+import warnings
 from typing import Any
 
-import torch
-from fsspec.core import url_to_fs
-from fsspec.utils import get_protocol
+import lightning as L
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.sharded import is_checkpoint
-from ssl_xcit.utils.io import atomic_torch_save, owner_only
+from ssl_xcit.parallel.checkpoint_io import AtomicCheckpointIO, last_checkpoint
 
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose local ``save_checkpoint`` is all-or-nothing; remote paths use Lightning's."""
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if get_protocol(str(path)) != "file":
-            if storage_options is None:
-                super().save_checkpoint(checkpoint, path)
-            else:
-                _save_remote(checkpoint, path, storage_options)
-            return
-        if storage_options is not None:
-            raise UserError(
-                f"storage_options are fsspec options for a remote checkpoint path (s3://, gs://, ...), but {path} "
-                f"is a local path; got {storage_options!r}"
-            )
-        _, local = url_to_fs(str(path))  # "file:///x/last.ckpt" -> "/x/last.ckpt"
-        atomic_torch_save(checkpoint, local, private=owner_only())
-
-
-def _save_remote(checkpoint: dict[str, Any], path: _PATH, storage_options: dict[str, Any]) -> None:
-    """Lightning's remote write (whole file in memory, one fsspec transaction) with ``storage_options`` given
-    to the filesystem, which Lightning's ``TorchCheckpointIO`` refuses."""
-    if not isinstance(storage_options, dict):
-        raise UserError(
-            f"storage_options must be a dict of fsspec filesystem options (e.g. {{'anon': False}}), "
-            f"got {type(storage_options).__name__}"
-        )
-    fs, target = url_to_fs(str(path), **storage_options)
-    fs.makedirs(os.path.dirname(target), exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    with fs.transaction, fs.open(target, "wb") as handle:
-        handle.write(buffer.getvalue())
+__all__ = ["AtomicCheckpointIO", "DINOCheckpoint", "dino_checkpoints", "last_checkpoint"]
 
 
 def dino_checkpoints(
@@ -115,20 +67,64 @@ def dino_checkpoints(
     return [*steps, last, keep]
 
 
-def last_checkpoint(trainer: Trainer) -> str | None:
-    """The newest checkpoint file of this run (its checkpoint callbacks' last and best, or the one it
-    resumed from), or None."""
-    candidates = []
-    for cb in trainer.checkpoint_callbacks:
-        for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
-            if path and is_checkpoint(path):
-                candidates.append(Path(path))
-        # A callback names its next file before writing it: the files already in its folder count too.
-        folder = getattr(cb, "dirpath", None)
-        if folder and Path(folder).is_dir():
-            candidates.extend(p for p in Path(folder).glob("*.ckpt") if is_checkpoint(p))
-    if trainer.ckpt_path and is_checkpoint(trainer.ckpt_path):
-        candidates.append(Path(trainer.ckpt_path))
-    if not candidates:
-        return None
-    return str(max(candidates, key=lambda p: p.stat().st_mtime))
+class DINOCheckpoint(ModelCheckpoint):
+    """Deprecated: the recipes' checkpoint callback before commit 58ca76d, kept so that configs saved then still
+    build. Recipes now list three stock ``ModelCheckpoint`` instances instead (``recipes/quickstart.yaml``: a
+    ``last.ckpt`` every N optimiser steps, a ``last.ckpt`` after every epoch, a kept ``{epoch:04d}`` copy every
+    N epochs); ``ssl_xcit.trainer.checkpointing.dino_checkpoints`` builds the same from Python.
+
+    The old schedule, saved at the end of each training epoch: ``last.ckpt`` rewritten after *every* epoch (stock
+    ``save_last`` only refreshes it on epochs that save a periodic copy), a kept ``epoch=NNNN.ckpt`` (0-based
+    epoch index) every ``every_n_epochs`` epochs and after the final epoch of ``max_epochs``, every copy kept
+    (``save_top_k=-1``), no metric monitored, no version counter (``last.ckpt`` is overwritten in place, never
+    ``last-v1.ckpt``). Give ``dirpath`` explicitly, as the old recipes did."""
+
+    def __init__(
+        self,
+        dirpath: _PATH | None = None,
+        filename: str = "{epoch:04d}",
+        every_n_epochs: int = 20,
+        save_last: bool = True,
+        *,
+        save_top_k: int = -1,
+        save_on_train_epoch_end: bool | None = True,
+        enable_version_counter: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        warnings.warn(
+            "ssl_xcit.dino.checkpointing.DINOCheckpoint is deprecated: list stock "
+            "lightning.pytorch.callbacks.ModelCheckpoint instances as recipes/quickstart.yaml does",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        # The old class set these three through **kwargs, where jsonargparse (which fills **kwargs from
+        # ModelCheckpoint's own signature and defaults) never saw them: named here, a config gets them too.
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            every_n_epochs=every_n_epochs,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+            **kwargs,
+        )
+
+    def _save_on_schedule(self, trainer: L.Trainer) -> None:
+        candidates = self._monitor_candidates(trainer)
+        epochs_done = trainer.current_epoch + 1
+        # max_epochs is -1 (or None) for a run bounded by max_steps only: no epoch is known to be the last.
+        final = trainer.max_epochs is not None and 0 < trainer.max_epochs <= epochs_done
+        if (self._every_n_epochs >= 1 and epochs_done % self._every_n_epochs == 0) or final:
+            self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._should_skip_saving_checkpoint(trainer) and self._should_save_on_train_epoch_end(trainer):
+            self._save_on_schedule(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Only with save_on_train_epoch_end=False (or None and a validation loop that runs after the epoch).
+        at_epoch_end = self._should_save_on_train_epoch_end(trainer)
+        if not self._should_skip_saving_checkpoint(trainer) and not at_epoch_end:
+            self._save_on_schedule(trainer)

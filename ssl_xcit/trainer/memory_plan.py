@@ -268,7 +268,7 @@ def build(plan: PlanInput, mesh: Any = None, fake_mode: Any = None) -> tuple[Any
 
 def _set_up(model: Any, plan: PlanInput, mesh: Any) -> tuple[Any, torch.optim.Optimizer]:
     from ssl_xcit.dino.schedules import dino_schedules
-    from ssl_xcit.trainer.fsdp import shard_module
+    from ssl_xcit.parallel.fsdp import shard_module
 
     if mesh is not None:
         model._trainer = _TrainerStandIn(plan.precision, plan.world_size)
@@ -364,7 +364,7 @@ def fake_process_group(world_size: int) -> Iterator[Any]:
 
 
 def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
-    from ssl_xcit.trainer.fsdp import local_tensors
+    from ssl_xcit.parallel.fsdp import local_tensors
 
     return sum(t.numel() * t.element_size() for t in local_tensors(tensors))
 

@@ -45,8 +45,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from ssl_xcit.parallel.step_checks import host_group
 from ssl_xcit.trainer import sigterm_broadcast
-from ssl_xcit.trainer.step_checks import host_group
 
 HANDLED = (signal.SIGTERM, signal.SIGUSR1)
 REQUEUE_SIGNAL = signal.SIGUSR1

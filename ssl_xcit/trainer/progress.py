@@ -3,7 +3,7 @@
 Lightning's bars show ``trainer.progress_bar_metrics`` on every batch: each value logged with ``prog_bar=True``
 is read with ``.item()``, so each batch waits for the GPU queue to drain. DINO logs its training loss without
 ``prog_bar`` and publishes host values in ``progress_values`` when it reads the device anyway (every
-``sync_every_n_steps`` steps, before a checkpoint, at each epoch's end: ``ssl_xcit.trainer.step_checks``); this bar
+``sync_every_n_steps`` steps, before a checkpoint, at each epoch's end: ``ssl_xcit.parallel.step_checks``); this bar
 shows those, so between reads it shows the last value read.
 """
 

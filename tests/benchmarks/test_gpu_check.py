@@ -106,7 +106,7 @@ def test_dry_run_subset_in_process(capsys, tmp_path):
         result, status = next(v for k, v in rows.items() if k[0] == name)
         # The loop census's figures (what CUDA would count): the step that reads and logs, its sites by line.
         assert status == "skip" and re.search(r"in 4 steps, 1 steps sync \(allowed 1\) \[0 \d+ 0 0\]", result)
-        assert re.search(r"CPU census; sites: .*ssl_xcit/trainer/step_checks\.py:\d+ x1", result), result
+        assert re.search(r"CPU census; sites: .*ssl_xcit/parallel/step_checks\.py:\d+ x1", result), result
     bar = next(k for k in rows if k[0] == "host syncs per step (progress bar on)")
     assert bar[1].endswith("SyncedRichProgressBar")  # the recipe's bar, really on
 

@@ -24,9 +24,9 @@ BENCHMARKS = REPO / "benchmarks"
 STEPS, EVERY = 12, 4  # the GPU row's: measured steps, logging and sync_every_n_steps interval
 READING = [1, 5, 9]  # the measured windows (after 2 warm-up steps) of batches 3, 7, 11: the reads' steps
 # The sites of those steps: the finite-loss record's read, Lightning's logging (each logged tensor's .item()),
-# and under 16-mixed the GradScaler's scale, read at the same point (ssl_xcit.trainer.lifecycle._read_finite).
-SITES = {"ssl_xcit/trainer/step_checks.py", "lightning/fabric/utilities/apply_func.py"}
-SITES_16 = SITES | {"ssl_xcit/trainer/lifecycle.py"}
+# and under 16-mixed the GradScaler's scale, read at the same point (ssl_xcit.dino.lifecycle._read_finite).
+SITES = {"ssl_xcit/parallel/step_checks.py", "lightning/fabric/utilities/apply_func.py"}
+SITES_16 = SITES | {"ssl_xcit/dino/lifecycle.py"}
 
 
 def _module(name: str) -> types.ModuleType:
@@ -88,7 +88,7 @@ def test_the_cuda_counter_counts_per_loop_iteration_and_names_the_site(tmp_path,
     import lightning as L
     from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 
-    from ssl_xcit.trainer.step_checks import FiniteWatch
+    from ssl_xcit.parallel.step_checks import FiniteWatch
 
     sync_count = _module("sync_count")
     monkeypatch.setattr(sync_count.torch.cuda, "set_sync_debug_mode", lambda mode: None)
@@ -126,6 +126,6 @@ def test_the_cuda_counter_counts_per_loop_iteration_and_names_the_site(tmp_path,
     found = sorted({site.split(":")[0] + " " + site.split(" ")[-1] for w in windows for site in w["found"]})
     assert found == [
         "lightning/pytorch/trainer/connectors/logger_connector/logger_connector.py (update_train_step_metrics)",
-        "ssl_xcit/trainer/lifecycle.py (_read_finite)",
+        "ssl_xcit/dino/lifecycle.py (_read_finite)",
     ]
     assert sync_count.sites(windows) == {s: 3 for s in sync_count.sites(windows)}  # each in each reading step

@@ -66,7 +66,7 @@ class FakeCollapseOnRank1(L.Callback):
 
 
 def collapse(world_size: int) -> dict:
-    from ssl_xcit.trainer.collapse import CollapseGuard
+    from ssl_xcit.dino.collapse import CollapseGuard
 
     model = build(collapse_guard="stop", collapse_patience=2, collapse_grace_steps=0)
     trainer = _trainer(world_size, [FakeCollapseOnRank1()])

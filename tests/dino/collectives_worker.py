@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.trainer.step_checks import HostAgreement, host_group
-from ssl_xcit.trainer.syncbn import AllReduceBatchNorm
+from ssl_xcit.parallel.step_checks import HostAgreement, host_group
+from ssl_xcit.parallel.syncbn import AllReduceBatchNorm
 
 CASES = {"even": (4, 4, 0.1), "momentum_none": (4, 4, None), "empty": (5, 0, 0.1)}
 

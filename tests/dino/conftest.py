@@ -191,7 +191,7 @@ def ddp_runs(tmp_path_factory):
     """The 2-process runs of ``ddp_worker.py`` that ``test_ddp.py`` and ``test_fsdp2_checkpoints.py`` read, one
     after another in one launch (each in its own folder): starting torchrun and importing torch and Lightning
     in both ranks took most of each test's ~17 s. A rank left waiting in a collective ends in
-    ``TimeoutExpired``, with the launcher and both workers killed. FSDP2's runs (``ssl_xcit.trainer.fsdp``) share
+    ``TimeoutExpired``, with the launcher and both workers killed. FSDP2's runs (``ssl_xcit.parallel.fsdp``) share
     the launch; the DDP runs are their reference, and ``fsdp2-plain/last.ckpt`` is a sharded checkpoint."""
     from pathlib import Path
 

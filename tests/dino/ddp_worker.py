@@ -244,7 +244,7 @@ def run_high_res(out_dir: str | Path, world_size: int) -> dict:
 
 def whole_state(network: torch.nn.Module) -> dict:
     """``network``'s state dict as whole tensors (FSDP2's shards gathered; every rank takes part)."""
-    from ssl_xcit.trainer.fsdp import whole_state_dict
+    from ssl_xcit.parallel.fsdp import whole_state_dict
 
     return whole_state_dict(network)
 

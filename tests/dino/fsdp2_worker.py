@@ -68,7 +68,7 @@ class ComputeDtype(L.Callback):
         self.seen: set[str] = set()
 
     def on_train_start(self, trainer, pl_module):
-        from ssl_xcit.trainer.fsdp import blocks
+        from ssl_xcit.parallel.fsdp import blocks
 
         block = blocks(pl_module.student.backbone)[0]
         block.register_forward_pre_hook(lambda m, a: self.seen.add(str(next(m.parameters()).dtype)))

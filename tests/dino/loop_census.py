@@ -73,7 +73,7 @@ COLLECTIVES = (
 # Under FSDP2, the per-parameter clip's whole-gradient norms: one all-reduce of the local squared norms.
 STEP_COLLECTIVES = (
     "ssl_xcit/dino/loss.py",
-    "ssl_xcit/trainer/syncbn.py",
+    "ssl_xcit/parallel/syncbn.py",
     "torch/distributed/nn/functional.py",
     "(tensor_norms)",
 )
@@ -343,7 +343,7 @@ class LoopCensus:
         from lightning.pytorch.strategies.strategy import Strategy
         from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 
-        from ssl_xcit.trainer.lifecycle import DINOLifecycle
+        from ssl_xcit.dino.lifecycle import DINOLifecycle
 
         census, saved = self, []
 

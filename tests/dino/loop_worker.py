@@ -84,7 +84,7 @@ def run_skip(out: Path, world_size: int) -> dict:
 
 
 def _bn_grads(x: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
-    from ssl_xcit.trainer.syncbn import AllReduceBatchNorm
+    from ssl_xcit.parallel.syncbn import AllReduceBatchNorm
 
     torch.manual_seed(3)
     bn = AllReduceBatchNorm(3)

@@ -175,7 +175,7 @@ def _gram(opts: dict) -> dict:
 
 
 def _fit(out: Path, name: str, world_size: int, opts: dict, crash_at=None, ckpt_path=None) -> dict:
-    from ssl_xcit.trainer.fsdp import whole_state_dict
+    from ssl_xcit.parallel.fsdp import whole_state_dict
 
     L.seed_everything(0, verbose=False)
     record = Record(crash_at)

@@ -1,4 +1,4 @@
-"""``--trainer.strategy fsdp2`` (``ssl_xcit.trainer.fsdp``): the strategy name, each family's blocks, and every
+"""``--trainer.strategy fsdp2`` (``ssl_xcit.parallel.fsdp``): the strategy name, each family's blocks, and every
 family and option equal to DDP on 2 gloo processes (the quickstart and distillation cases run in the default
 suite with ``test_ddp.py``'s launch)."""
 
@@ -12,7 +12,7 @@ import torch
 from conftest import torchrun
 
 from ssl_xcit.models import create_model
-from ssl_xcit.trainer.fsdp import FSDP2Strategy, blocks
+from ssl_xcit.parallel.fsdp import FSDP2Strategy, blocks
 
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 
@@ -122,7 +122,7 @@ def test_bf16_mixed_keeps_batchnorm_in_float32_on_one_process():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ssl_xcit.trainer.fsdp import _policy, shard_backbone
+    from ssl_xcit.parallel.fsdp import _policy, shard_backbone
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

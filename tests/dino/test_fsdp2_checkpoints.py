@@ -20,7 +20,7 @@ from ssl_xcit.dino.init_from import read_source
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import read_checkpoint
 from ssl_xcit.models.sharded import INDEX_FILE, is_sharded_checkpoint
-from ssl_xcit.trainer.fsdp import _replace
+from ssl_xcit.parallel.fsdp import _replace
 
 
 def _run(ddp_runs: Path) -> tuple[Path, dict]:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ssl_xcit.dino.module import DINO
-from ssl_xcit.trainer.syncbn import AllReduceBatchNorm
+from ssl_xcit.parallel.syncbn import AllReduceBatchNorm
 
 
 def test_configure_model_synchronises_the_gram_teachers_batchnorms_under_ddp():

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ssl_xcit.dino.collapse import CollapseGuard
 from ssl_xcit.dino.module import DINO
 from ssl_xcit.models.base import MaskingNotSupported
-from ssl_xcit.trainer.collapse import CollapseGuard
 
 HEAD = dict(out_dim=64, head_hidden_dim=32, head_bottleneck_dim=16)
 FAMILIES = {

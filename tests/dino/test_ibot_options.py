@@ -18,7 +18,7 @@ from ssl_xcit.dino.module import DINO
 from ssl_xcit.dino.schedules import dino_schedules, linear_warmup
 from ssl_xcit.errors import UserError
 from ssl_xcit.models import create_model
-from ssl_xcit.trainer.syncbn import convert_sync_batchnorm
+from ssl_xcit.parallel.syncbn import convert_sync_batchnorm
 
 
 def test_weighted_batch_norm_equals_batch_norm_on_the_kept_crops():

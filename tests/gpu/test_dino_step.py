@@ -21,8 +21,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ssl_xcit.dino.collapse import CollapseGuard
 from ssl_xcit.dino.module import DINO
-from ssl_xcit.trainer.collapse import CollapseGuard
 from ssl_xcit.utils.transfer import scalars_to_device
 
 COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ssl_xcit.trainer.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
+from ssl_xcit.parallel.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 
 # Every way to read a tensor on the host, or to make a shape from its values.
 HOST_READS = {

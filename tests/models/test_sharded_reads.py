@@ -190,6 +190,40 @@ def test_gather_reads_a_bounded_group_at_a_time(folder, tmp_path, monkeypatch):
     assert len(sizes) > 10 and max(sizes) == largest
 
 
+def test_gather_to_safetensors_writes_the_model_a_group_at_a_time(folder, tmp_path, monkeypatch):
+    """A ``.safetensors`` OUT: the model's tensors by model key, byte for byte, read a bounded group at a time
+    (the optimiser's spoilt bytes are never read), in a file safetensors itself reads, with the backbone in
+    its metadata so that every reader (``init_from``, ``export``, k-NN's loader) takes it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path, whole = folder
+    _spoil_optimizer(path)
+    sizes: list[int] = []
+    read = sharded.read_dcp_entries
+
+    def spy(source, keys, metadata, trust=False):
+        got = read(source, keys, metadata, trust)
+        sizes.append(sum(v.numel() * v.element_size() for v in got.values() if isinstance(v, torch.Tensor)))
+        return got
+
+    monkeypatch.setattr(sharded, "read_dcp_entries", spy)
+    out = main(["gather-checkpoint", str(path), str(tmp_path / "one.safetensors")])
+    _equal(load_file(out), whole["state_dict"])
+    with safe_open(str(out), framework="pt") as handle:
+        assert handle.metadata()["backbone"] == ARCH
+    assert len(sizes) == 1  # the default group (256 MiB) holds this small model at once
+    sizes.clear()
+    gather_checkpoint(path, tmp_path / "small.safetensors", group_bytes=1 << 17)
+    _equal(load_file(tmp_path / "small.safetensors"), whole["state_dict"])
+    largest = max(t.numel() * t.element_size() for t in whole["state_dict"].values())
+    assert len(sizes) > 3 and max(sizes) == largest
+    weights = read_source(str(out))
+    _equal(weights.student["head"], {k[len("student.head.") :]: v for k, v in whole["state_dict"].items()
+                                     if k.startswith("student.head.")})  # fmt: skip
+    _equal(build_backbone(out).state_dict(), _teacher_backbone(whole))
+
+
 def test_a_missing_or_spoilt_shard_is_one_line(folder):
     path, _ = folder
     _spoil_optimizer(path)

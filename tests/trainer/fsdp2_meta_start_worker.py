@@ -57,7 +57,7 @@ def write_source(case: str, out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def networks(model: Any) -> dict[str, dict[str, torch.Tensor]]:
-    from ssl_xcit.trainer.fsdp import whole_state_dict
+    from ssl_xcit.parallel.fsdp import whole_state_dict
 
     nets = {"student": model.student, "teacher": model.teacher}
     if model.gram_teacher is not None:
@@ -95,8 +95,8 @@ def distill(teacher: Path, meta: bool) -> dict[str, Any]:
     """Distillation (the dino objective: the teacher's heads too) from ``teacher`` up to the fit's start; the
     frozen teacher's whole tensors after setup."""
     from ssl_xcit.dino.distill import Distill
-    from ssl_xcit.trainer.fsdp import whole_state_dict
-    from ssl_xcit.trainer.meta_start import meta_start
+    from ssl_xcit.parallel.fsdp import whole_state_dict
+    from ssl_xcit.parallel.meta_start import meta_start
 
     L.seed_everything(0, verbose=False)
     with meta_start(meta):
@@ -112,8 +112,8 @@ def distill(teacher: Path, meta: bool) -> dict[str, Any]:
 
 
 def start(case: str, meta: bool, source: Path | None = None) -> dict[str, Any]:
-    from ssl_xcit.trainer.fsdp import whole_state_dict
-    from ssl_xcit.trainer.meta_start import meta_start
+    from ssl_xcit.parallel.fsdp import whole_state_dict
+    from ssl_xcit.parallel.meta_start import meta_start
 
     with meta_start(meta):
         model = build(case, source)

@@ -28,7 +28,7 @@ CHANGES = {"on": ({}, {**GRAM, "gram_start_step": 3}), "off": ({**GRAM, "gram_st
 
 
 def _networks(model) -> dict:
-    from ssl_xcit.trainer.fsdp import whole_state_dict
+    from ssl_xcit.parallel.fsdp import whole_state_dict
 
     gram = model.gram_teacher
     return {

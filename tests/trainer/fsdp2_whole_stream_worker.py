@@ -81,7 +81,7 @@ class GatherCounter:
 
 def measure_load(record: dict) -> None:
     """Record the high-water mark over each ``FSDP2Strategy.load_checkpoint`` into ``record``."""
-    from ssl_xcit.trainer.fsdp import FSDP2Strategy
+    from ssl_xcit.parallel.fsdp import FSDP2Strategy
 
     load = FSDP2Strategy.load_checkpoint
 
@@ -119,7 +119,7 @@ def _fit(backbone: str, depth: int, callbacks: list, ckpt_path=None, epochs: int
 def main(out: Path, backbone: str, depth: int) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from ssl_xcit.trainer.fsdp import whole_state_dict
+    from ssl_xcit.parallel.fsdp import whole_state_dict
 
     out.mkdir(parents=True, exist_ok=True)
     trainer, model = _fit(backbone, depth, [])

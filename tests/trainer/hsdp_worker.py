@@ -23,7 +23,7 @@ GLOBAL_BATCH = 8  # FixedCrops holds 2 steps of 8
 def run(out_dir: Path, name: str) -> None:
     from ssl_xcit.data.datasets import collate_train
     from ssl_xcit.dino.module import DINO
-    from ssl_xcit.trainer.fsdp import FSDP2Strategy
+    from ssl_xcit.parallel.fsdp import FSDP2Strategy
 
     strategy = {"ddp": "ddp", "fsdp2": FSDP2Strategy(), "hsdp": FSDP2Strategy(replicate_degree=2)}[name]
     L.seed_everything(0, verbose=False)

@@ -72,8 +72,8 @@ class Data(L.LightningDataModule):
 
 def main(out_dir: Path, strategy: str) -> None:
     from ssl_xcit.dino.module import DINO
+    from ssl_xcit.parallel.fsdp import whole_state_dict
     from ssl_xcit.trainer.callbacks import OnlineKNN
-    from ssl_xcit.trainer.fsdp import whole_state_dict
     from ssl_xcit.trainer.rankme import RankMe
 
     class Recorded(OnlineKNN):

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from ssl_xcit.trainer.collapse import CollapseGuard, collapse_mode
+from ssl_xcit.dino.collapse import CollapseGuard, collapse_mode
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_guard_stays_silent_on_a_real_short_run(tiny, tmp_path, recwarn):
 def test_guard_reads_the_device_every_k_steps_and_names_the_step_it_collapsed(tiny, tmp_path, monkeypatch):
     """Signals stay on the device between reads: with sync_every_n_steps=5 the host reads them once per 5
     batches (plus at the epoch's end), detects the collapse at step 3 as with k=1, and stops at the read."""
-    from ssl_xcit.trainer import collapse
+    from ssl_xcit.dino import collapse
 
     reads = []
     gather = collapse._gather_rows

@@ -1,10 +1,13 @@
-"""How often FSDP2 gathers each unit in a DINO step (``ssl_xcit.trainer.fsdp.shard_module``), counted on a fake
+"""How often FSDP2 gathers each unit in a DINO step (``ssl_xcit.parallel.fsdp.shard_module``), counted on a fake
 process group of 4 ranks in this one process (its collectives do nothing: the counts, not the values, are what
 these tests read). A step is what ``ssl_xcit.dino.step`` runs: the teacher on the global crops without
-gradients, the student on all crops (one backbone call per crop resolution: 16 px, then 8 px), one backward.
+gradients, the student on all crops (2 global, 2 local of half the side), one backward.
 
-Each student block is gathered 4 times a step with ``reshard_after_forward`` true (the strategy's default, as
-DINOv3's blocks: each resolution's forward and its backward) and once with it false (``SHARD_GRAD_OP``)."""
+With ``reshard_after_forward`` true (the strategy's default, as DINOv3's blocks) each student block of XCiT, ViT and
+DINOv3's ViT is gathered twice a step (issue 52; 4 before): the sharding sets ``MultiCropWrapper.lockstep_crops``,
+and the student's crop groups go through each block in one call (``forward_cls_patches_list``, as DINOv3's
+``forward_features_list``), one forward and one backward gather. The other families' blocks take one tensor: each
+resolution's forward and its backward gather them, 4 times a step. With it false (``SHARD_GRAD_OP``) once."""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from conftest import tiny_model
 from torch.distributed.tensor import DTensor
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.trainer.fsdp import FSDP2Strategy, blocks, check_sharding, shard_module
+from ssl_xcit.models.base import MASKING_FAMILIES
+from ssl_xcit.parallel.fsdp import FSDP2Strategy, blocks, check_sharding, shard_module
 
 WORLD = 4
 
@@ -75,16 +79,17 @@ CROPS = [
 ]
 
 
-def _step(model, ibot: bool = False) -> None:
+def _step(model, ibot: bool = False, crops: list[torch.Tensor] = CROPS) -> None:
     with torch.no_grad():
-        model.teacher(CROPS[:2])
+        model.teacher(crops[:2])
     if ibot:
-        masks = torch.zeros(4, 4, dtype=torch.bool)
+        grid = model.student.backbone.token_grid(*crops[0].shape[-2:])
+        masks = torch.zeros(4, grid[0] * grid[1], dtype=torch.bool)
         masks[:, 0] = True
-        out, _, patches = model.student.forward_with_patches(CROPS, masks)
+        out, _, patches = model.student.forward_with_patches(crops, masks)
         loss = out.sum() + model.student.patch_logits(patches[masks]).sum()
     else:
-        out, _ = model.student(CROPS, return_embeddings=True)
+        out, _ = model.student(crops, return_embeddings=True)
         loss = out.sum()
     loss.backward()
 
@@ -111,13 +116,37 @@ def test_each_student_block_is_gathered_once_per_step_when_kept_gathered(gathers
         assert all(_group(u).is_sharded for u in _units(model.student) + _units(model.teacher))
 
 
-def test_reshard_after_forward_true_gathers_each_block_four_times(gathers):
-    """``reshard_after_forward`` true (FULL_SHARD, the least memory): each resolution's forward and backward
-    gather the block again, 4 times a step: the count of every student block before issue 52."""
+# (backbone, backbone_kwargs, crop sides: 2 global then 2 local, student block gathers a step)
+FAMILIES = {
+    "xcit": ("xcit_nano_12_p8", {"depth": 1}, (16, 8), 2),
+    "vit": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8}, (16, 8), 2),
+    "dinov3": ("vit_small_patch16_dinov3", {"embed_dim": 32, "depth": 2, "num_heads": 2}, (32, 16), 2),
+    "cait": ("cait_xxs24", {"depth": 1, "patch_size": 8}, (16, 8), 4),
+    "crossformerpp": ("crossformerpp_small", {"depths": (1, 1, 1, 1)}, (64, 32), 4),
+    "bixt": ("bixt_ti_l64_p16", {"depth": 2}, (32, 16), 4),
+    "convnext": ("convnext_tiny", {"depths": (1, 1, 1, 1), "dims": (8, 16, 24, 32)}, (64, 32), 4),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reshard_after_forward_true_gathers_list_blocks_twice(gathers, family):
+    """``reshard_after_forward`` true (FULL_SHARD, the least memory): XCiT's (its class-attention blocks too),
+    ViT's and DINOv3's blocks take the student's crop groups in one call and are gathered twice a step (4 before
+    issue 52, as the other families' still are: each resolution's forward and its backward)."""
+    name, kwargs, (big, small), expected = FAMILIES[family]
     mesh, counts = gathers
-    model = _sharded(tiny_model(), mesh, True)
-    _step(model)
-    assert [counts[id(_group(b))] for b in blocks(model.student.backbone)] == [4, 4, 4]
+    masking = family in MASKING_FAMILIES  # also iBOT's step: the masked global crops with the local ones
+    overrides = dict(ibot_loss_weight=1.0, ibot_separate_head=True) if masking else {}
+    model = _sharded(tiny_model(backbone=name, backbone_kwargs=kwargs, **overrides), mesh, True)
+    assert model.student.lockstep_crops and not model.teacher.lockstep_crops
+    crops = [torch.randn(2, 3, s, s) for s in (big, big, small, small)]
+    for ibot in (False, True) if masking else (False,):
+        counts.clear()
+        _step(model, ibot, crops)
+        student = [counts[id(_group(b))] for b in blocks(model.student.backbone)]
+        assert student == [expected] * len(student) and student
+        assert [counts[id(_group(b))] for b in blocks(model.teacher.backbone)] == [1] * len(student)
+        assert counts[id(_group(model.student.backbone))] == 1
 
 
 def test_a_forward_without_gradients_reshards_the_student_at_once(gathers):

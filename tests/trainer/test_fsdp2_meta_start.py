@@ -1,4 +1,4 @@
-"""The meta-device start under FSDP2 (``ssl_xcit.trainer.meta_start``): networks built on the meta device start
+"""The meta-device start under FSDP2 (``ssl_xcit.parallel.meta_start``): networks built on the meta device start
 from exactly the weights of a whole construction under the same seed, shard by shard, on 2 gloo processes (the
 quickstart's XCiT and a ViT with iBOT in the default suite, every other family and XCiT with Gram anchoring
 slow); and the recorder and replay on one process."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import torchrun
 
-from ssl_xcit.trainer.meta_start import meta_start, record, replay
+from ssl_xcit.parallel.meta_start import meta_start, record, replay
 
 WORKER = Path(__file__).with_name("fsdp2_meta_start_worker.py")
 

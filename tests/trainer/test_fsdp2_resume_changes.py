@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import tiny_model, torchrun
 
-from ssl_xcit.trainer.fsdp import adapted_state, check_state_fits, sharded_reads
+from ssl_xcit.parallel.fsdp import adapted_state, check_state_fits, sharded_reads
 
 WORKER = Path(__file__).with_name("fsdp2_resume_changes_worker.py")
 

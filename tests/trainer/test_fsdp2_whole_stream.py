@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import torchrun
 
-from ssl_xcit.trainer.fsdp import stream_whole_checkpoint
+from ssl_xcit.parallel.fsdp import stream_whole_checkpoint
 
 WORKER = Path(__file__).with_name("fsdp2_whole_stream_worker.py")
 Pair = namedtuple("Pair", "a b")

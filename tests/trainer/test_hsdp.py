@@ -1,4 +1,4 @@
-"""HSDP under ``--trainer.strategy fsdp2`` (``FSDP2Strategy(replicate_degree=N)``, ``ssl_xcit.trainer.fsdp``): 4
+"""HSDP under ``--trainer.strategy fsdp2`` (``FSDP2Strategy(replicate_degree=N)``, ``ssl_xcit.parallel.fsdp``): 4
 gloo processes as 2 replica groups x 2 shards train exactly as FSDP2 over all 4 ranks and as DDP, within float32
 reduction order, with gradient clipping on (its norms summed over the shards only, not the replicas)."""
 

@@ -3,8 +3,8 @@ read come at every N-th window's end, not every N micro-batches."""
 
 from __future__ import annotations
 
-from ssl_xcit.trainer.collapse import CollapseGuard
-from ssl_xcit.trainer.lifecycle import DINOLifecycle
+from ssl_xcit.dino.collapse import CollapseGuard
+from ssl_xcit.dino.lifecycle import DINOLifecycle
 
 
 def test_reads_come_every_n_optimiser_steps_under_accumulation(tiny, tmp_path, monkeypatch):

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from ssl_xcit.parallel.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 from ssl_xcit.trainer.checkpointing import AtomicCheckpointIO
-from ssl_xcit.trainer.syncbn import AllReduceBatchNorm, convert_sync_batchnorm
 
 
 def test_cpu_conversion_shares_parameters_and_keeps_keys():

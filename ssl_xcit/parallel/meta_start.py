@@ -331,7 +331,7 @@ def materialise(
 ) -> None:
     """Allocate the meta networks of a DINO ``module`` on ``device`` (each rank's shards under FSDP2) and fill
     them from ``recipe``: exactly the weights of the whole construction; the RNG state is left as it is."""
-    from ssl_xcit.trainer.fsdp import local_tensors, reshard
+    from ssl_xcit.parallel.fsdp import local_tensors, reshard
 
     module.student.to_empty(device=device)
     module.teacher.to_empty(device=device)
@@ -356,7 +356,7 @@ def capture_all(module: nn.Module) -> dict[str, torch.Tensor]:
 def is_fsdp2_setting(strategy: Any) -> bool:
     """Whether a ``--trainer.strategy`` value (a registered name, a class path namespace, an instance) is
     FSDP2's."""
-    from ssl_xcit.trainer.fsdp import STRATEGY_NAME, WHOLE_NAME, FSDP2Strategy
+    from ssl_xcit.parallel.fsdp import STRATEGY_NAME, WHOLE_NAME, FSDP2Strategy
 
     if isinstance(strategy, str):
         return strategy in (STRATEGY_NAME, WHOLE_NAME)
