@@ -67,6 +67,18 @@ CENSUS_WARMUP = 2  # first iterations: optimiser state, schedules and (compiled)
 PER_RANK = {"koleo": "KoLeo's neighbours are per rank", "ibot": "iBOT's masks are drawn per rank"}
 
 
+def per_rank(row: dict[str, str]) -> str | None:
+    """Why ``row``'s 2-process run differs from its 1-process one by design (``PER_RANK``), or None. KoLeo over
+    groups (``koleo_group_size``) of at least a global micro-batch finds the same neighbours in both runs."""
+    from matrix_options import setting
+    from matrix_worker import MICRO, OPTIMS, WORLD
+
+    group = OPTIMS[setting(row, "optim")].get("koleo_group_size")
+    if row["objective"] == "koleo" and group is not None and group >= MICRO * WORLD:
+        return None
+    return PER_RANK.get(row["objective"])
+
+
 def groups(state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     """The state's keys by what they are: BatchNorm buffers, centres, student, teacher, the rest."""
     found: dict[str, list[str]] = {}
@@ -260,10 +272,10 @@ def check_row(
             result["ranks equal"] = _identical(full[0], full[1])
         else:
             result["ranks equal"] = local_ranks_equal(
-                two, one["single"], start, rtol, row["objective"] in PER_RANK
+                two, one["single"], start, rtol, per_rank(row) is not None
             )
-        if row["objective"] in PER_RANK:
-            result["2 proc = 1 proc"] = (NA, PER_RANK[row["objective"]])
+        if per_rank(row) is not None:
+            result["2 proc = 1 proc"] = (NA, per_rank(row))
         else:
             world = 1 if strategy(row) == "ddp" else len(full)  # FSDP2: rank 0's gradient shards
             result["2 proc = 1 proc"] = compare(full[0], one["single"], start, rtol, world=world)
@@ -328,8 +340,16 @@ def host_reads(runs: list[dict], allowance: int, skipped: list[int] = ()) -> tup
 
 
 def finite_moved_steps(row: dict, runs: list[dict], start: dict, windows: int) -> tuple[str, str]:
+    """Each run started from ``start`` (the row's initial state: ``init_from``'s SOURCE loaded, its teacher as
+    the student too under ``init_from_ema``), bit for bit; then finite, the expected step counts, and moved."""
     steps, skipped = expected_steps(row, windows)
     for run in runs:
+        if run.get("start") is not None:
+            if not any(k in run["start"] for k in groups(start).get("student", [])):
+                return FAIL, "started elsewhere: none of the student's keys"
+            elsewhere = [k for k in start if k in run["start"] and not torch.equal(run["start"][k], start[k])]
+            if elsewhere:
+                return FAIL, f"started elsewhere: {len(elsewhere)} tensors {elsewhere[:2]}"
         losses = [x for x in run["losses"] if x is not None]
         if not all(math.isfinite(x) for x in losses) or not all(
             torch.isfinite(v).all() for v in run["state"].values()

@@ -29,8 +29,11 @@ AXES: dict[str, tuple[str, ...]] = {
 
 # Keys a row may carry besides AXES, with the value a row without the key has: the GradScaler's start (``low``:
 # 2^4, no overflow; ``overflow``: torch's default 2^16, which overflows the first step, matrix_worker.SCALERS),
-# compile with ``inductor`` (extra rows only: minutes of compile on 2 cores) and the strategy (FSDP2's rows).
-EXTRA_KEYS = {"scaler": "low", "strategy": "ddp", "optim": "dino"}
+# compile with ``inductor`` (extra rows only: minutes of compile on 2 cores), the strategy (FSDP2's rows), the
+# model's optimisation and objective options (``optim``: matrix_worker.OPTIMS) and the FSDP2 strategy's
+# ``reshard_after_forward`` for the student's blocks (``reshard``: ``after_forward``, FSDP2's default, or ``kept``:
+# false, kept gathered through the backward; an int needs a shard group of more than 2 ranks).
+EXTRA_KEYS = {"scaler": "low", "strategy": "ddp", "optim": "dino", "reshard": "after_forward"}
 
 
 def row_id(row: dict[str, str]) -> str:
@@ -123,6 +126,28 @@ OPTIM_ROWS = [
     {"accumulate": "2", "unreadable": "none", "precision": "32-true", "optimizer": "foreach",
      "norm": "vit_nobn", "objective": "gram", "compile": "off", "strategy": "fsdp2", "optim": "dinov3"},
 ]  # fmt: skip
+# The newest options, each in 32-true and bf16-mixed: ``init_from_ema`` (the student starts from SOURCE's teacher;
+# the ``finite, moved, steps`` column checks each run's start) and ``koleo_group_size`` 4 (one KoLeo group per
+# global micro-batch, gathered across the 2 ranks: ``2 proc = 1 proc`` holds again) in pairs of rows that differ in
+# precision only (a seeded defect's row, ``mutants.MUTANTS``, is the pair itself); distillation's
+# ``teacher_to_student_resolution_scale`` 2 (32 px global crops, the student's downsampled to 16) with ``dino``
+# under FSDP2 with the student's blocks kept gathered (``reshard``: ``kept``) in 32-true, ``features`` in bf16.
+_NEW = {"unreadable": "none", "optimizer": "foreach", "norm": "vit_nobn", "compile": "off"}
+OPTIM_ROWS += [
+    {"accumulate": "2", **_NEW, "precision": p, "objective": "init_from", "optim": "init_from_ema"}
+    for p in ("32-true", "bf16-mixed")
+] + [
+    {"accumulate": "2", **_NEW, "unreadable": "one_rank", "precision": p, "objective": "koleo",
+     "optim": "koleo_group"}
+    for p in ("32-true", "bf16-mixed")
+] + [
+    {"accumulate": "2", **_NEW, "precision": "32-true", "objective": "distill_dino", "strategy": "fsdp2",
+     "optim": "teacher_to_student_2", "reshard": "kept"},
+    {"accumulate": "2", **_NEW, "precision": "bf16-mixed", "objective": "distill_features",
+     "optim": "teacher_to_student_2"},
+]  # fmt: skip
+for _row in OPTIM_ROWS:  # axis order, then the extra keys, so ids read as the design's
+    _row.update({a: _row.pop(a) for a in [*AXES, *EXTRA_KEYS] if a in _row})
 
 
 def design(axes: dict[str, tuple[str, ...]] = AXES) -> list[dict[str, str]]:

@@ -12,16 +12,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from matrix_options import expected_refusal, strategy
+from matrix_options import expected_refusal, setting, strategy
 
 
-def trainer_strategy(row: dict[str, str], world_size: int) -> str:
-    """The ``Trainer(strategy=...)`` of a run of ``row`` on ``world_size`` processes."""
+def trainer_strategy(row: dict[str, str], world_size: int) -> Any:
+    """The ``Trainer(strategy=...)`` of a run of ``row`` on ``world_size`` processes: a registered name, or
+    under ``reshard: kept`` the FSDP2 strategy with ``reshard_after_forward=False``."""
     name = strategy(row)
     if name == "ddp":
         return "ddp" if world_size > 1 else "auto"
-    import ssl_xcit.trainer.fsdp  # noqa: F401 (registers the names)
+    from ssl_xcit.parallel.fsdp import WHOLE_NAME, FSDP2Strategy  # registers the names
 
+    if setting(row, "reshard") == "kept":
+        return FSDP2Strategy(save_distributed_checkpoint=name != WHOLE_NAME, reshard_after_forward=False)
     return name
 
 
@@ -39,7 +42,7 @@ def precision_args(precision: str, accelerator: str, scaler: str = "low") -> dic
 
 def module_state(model: Any) -> dict[str, torch.Tensor]:
     """The module's state dict, float32 copies of whole tensors (FSDP2's shards gathered)."""
-    from ssl_xcit.trainer.fsdp import whole_state_dict
+    from ssl_xcit.parallel.fsdp import whole_state_dict
 
     return {k: v.float() for k, v in whole_state_dict(model).items()}
 
@@ -71,7 +74,7 @@ def local_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     gathered whole tensor is the same all-gathered copy on every rank by construction, and proves nothing."""
     from torch.distributed.tensor import DTensor
 
-    from ssl_xcit.trainer.fsdp import reshard
+    from ssl_xcit.parallel.fsdp import reshard
 
     def local(v: torch.Tensor) -> tuple[torch.Tensor, bool]:
         sharded = isinstance(v, DTensor)

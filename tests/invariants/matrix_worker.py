@@ -11,8 +11,8 @@ the middle of window 1; ``PreemptionCheckpoint`` saves at a closed window and st
 from that checkpoint to the end). The 1-process runs: ``single`` (the same global batches, in one process),
 ``concat`` (accumulation 1 over batches of the concatenated micro-batches), ``twin`` (the other optimiser
 implementation) and, for an FSDP2 row, ``ddp`` (the run under Lightning's default strategy). FSDP2 rows run
-under their ``strategy`` (``matrix_strategy``); a row FSDP2 must refuse saves its one-line refusal instead. Each writes ``OUT/<row>/<run>_rank<r>.pt``: the module's and the optimiser's state, losses,
-steps, census windows.
+under their ``strategy`` (``matrix_strategy``); a row FSDP2 must refuse saves its one-line refusal instead. Each writes ``OUT/<row>/<run>_rank<r>.pt``: the module's and the optimiser's state, the
+module's state at the start of training, losses, steps, census windows.
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def dataset(row: dict[str, str], world_size: int, seed: int, duplicate: bool = F
         unreadable = frozenset()
 
     gram = row["objective"] == "gram"
+    side = global_side(row)
 
     class Crops(crops):
         def __len__(self) -> int:
@@ -142,6 +143,11 @@ def dataset(row: dict[str, str], world_size: int, seed: int, duplicate: bool = F
 
         def __getitem__(self, i: int) -> Any:
             item = super().__getitem__(source.get(i, i))
+            if item is not None and side != GLOBAL_SIDE:  # larger global crops, drawn as FixedCrops draws
+                views, *rest = item
+                g = torch.Generator().manual_seed(2000 + source.get(i, i))
+                views = [torch.randn(3, side, side, generator=g) + rest[0] for _ in views[:2]] + views[2:]
+                item = (views, *rest)
             if item is None or not gram:
                 return item
             # A model that anchors needs the Gram teacher's crops (gram_resolution_scale 1: the global crops'
@@ -152,18 +158,39 @@ def dataset(row: dict[str, str], world_size: int, seed: int, duplicate: bool = F
     return Crops(unreadable)
 
 
+GLOBAL_SIDE = 16  # FixedCrops' global crops (its local ones: 8 px)
+
+
+def global_side(row: dict[str, str]) -> int:
+    """The side of ``row``'s global crops: 16 px, times distillation's ``teacher_to_student_resolution_scale``
+    (the teacher sees them whole, the student downsampled to 16 px: its 8 px patches still make a 2 x 2 grid)."""
+    from matrix_options import setting
+
+    scale = OPTIMS[setting(row, "optim")].get("teacher_to_student_resolution_scale", 1.0)
+    return round(GLOBAL_SIDE * scale)
+
+
 # ------------------------------------------------------------------------------------------------ model
-def write_sources(out: Path) -> dict[str, Path]:
+def write_sources(out: Path, row: dict[str, str] | None = None) -> dict[str, Path]:
     """Tiny DINO checkpoints (Lightning layout, a DINO head included) of both backbones: ``init_from`` starts
     from the row's own backbone, distillation distils from the ViT (its ``dino`` objective needs the head).
-    Every process writes its own copies (same tensors), so none reads a file another is writing."""
+    Every process writes its own copies (same tensors), so none reads a file another is writing. For a row with
+    ``init_from_ema`` the source's teacher differs from its student, as a trained one does (a fresh DINO's
+    teacher is a copy of its student, which would make the option a no-op)."""
+    from matrix_options import setting
+
     from ssl_xcit.dino.module import DINO
 
     rank = os.environ.get("RANK", "single")
+    ema = row is not None and OPTIMS[setting(row, "optim")].get("init_from_ema", False)
     paths = {}
     for norm, (backbone, kwargs) in BACKBONES.items():
         torch.manual_seed(7)
         source = DINO(backbone, backbone_kwargs=kwargs, **HEAD)
+        if ema:
+            with torch.no_grad():
+                for p in source.teacher.parameters():
+                    p.add_(0.1 * torch.randn_like(p))
         path = out / f"source_{norm}_{rank}.ckpt"
         torch.save({"state_dict": source.state_dict(), "hyper_parameters": dict(source.hparams)}, path)
         paths[norm] = path
@@ -204,14 +231,22 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-# The ``optim`` key (matrix_options.OPTIM_ROWS): DINO's optimisation (the model's defaults) or DINOv3's options,
+# The ``optim`` key (matrix_options.OPTIM_ROWS): DINO's optimisation (the model's defaults), DINOv3's options
 # at values that make each one act within 4 steps (a decay of 0.5 per layer; the local pairs at half weight from
-# the Gram term's start; a clip of 3 per submodule, below the SGD rows' gradient norms).
+# the Gram term's start; a clip of 3 per submodule, below the SGD rows' gradient norms), or a newer option of the
+# module's, each with the objective it acts in.
 OPTIMS: dict[str, dict[str, Any]] = {
     "dino": {},
     "dinov3": dict(clip_mode="per_module", layerwise_decay=0.5, patch_embed_lr_mult=0.2,
                    lr_scaling_rule="sqrt_wrt_1024", final_momentum_teacher=0.9, local_crops_weight=0.5,
                    teacher_mode="eval", head_last_layer="linear"),
+    # init_from (objective): the student starts from SOURCE's teacher too (write_sources makes it differ)
+    "init_from_ema": dict(init_from_ema=True),
+    # koleo (objective): one KoLeo group per global micro-batch (MICRO x WORLD), gathered across the ranks, at
+    # 10 x DINOv2's weight: per-rank neighbours moved the gradients by 7.9e-2 at 0.1, inside bf16's tolerance
+    "koleo_group": dict(koleo_group_size=MICRO * WORLD, koleo_weight=1.0),
+    # distillation (objective): the student sees the global crops downsampled by 2 (global_side: 32 px crops)
+    "teacher_to_student_2": dict(teacher_to_student_resolution_scale=2.0),
 }  # fmt: skip
 
 
@@ -229,6 +264,8 @@ def build_model(row: dict[str, str], sources: dict[str, Path], fused: bool | Non
     optimizer = dict(OPTIMIZERS[row["optimizer"]], **OPTIMS[setting(row, "optim")])
     if fused is not None:  # the fused = foreach column's twin
         optimizer["fused_optimizer"] = fused
+    # An optim value wins over the objective's (koleo_group's weight).
+    extra = {k: v for k, v in extra.items() if k not in optimizer}
     common = dict(
         backbone=backbone,
         backbone_kwargs=kwargs,
@@ -254,6 +291,13 @@ class Record(L.Callback):
         self.losses: list[torch.Tensor | None] = []  # read after the fit: no host read of the census's
         self.scales: list[torch.Tensor] = []  # the GradScaler's scale after each micro-batch (16-mixed)
         self.preempt = preempt
+        self.start: dict[str, torch.Tensor] | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        # After the module's on_fit_start (init_from's load): what training starts from, whole (every rank).
+        from matrix_strategy import module_state
+
+        self.start = module_state(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -355,6 +399,7 @@ def fit(row: dict, out: Path, world_size: int, accelerator: str, sources: dict, 
         stopped = str(err.checkpoint)
     return {
         "state": module_state(model),  # whole tensors: FSDP2's shards gathered
+        "start": record.start,  # the same at the start of training
         "optimizer": optimizer_state(trainer.optimizers[0]),
         "local": local_state(model, trainer.optimizers[0]),  # this rank's own shards (FSDP2) and tensors
         "gradients": gradients.windows,
@@ -380,12 +425,21 @@ def scaler_skips(scales: list[torch.Tensor]) -> int | None:
 
 
 def initial_state(row: dict, sources: dict) -> dict[str, torch.Tensor]:
-    """The module's state before training (after ``init_from``'s load where the row has one)."""
+    """The module's state before training (after ``init_from``'s load where the row has one; with
+    ``init_from_ema`` the student from SOURCE's teacher: ``init_from._from_ema`` written out here, so that a
+    defect there does not move the expectation too)."""
+    from dataclasses import replace
+
+    from matrix_options import setting
+
     model = build_model(row, sources, fused=False)
     if row["objective"] == "init_from":
         from ssl_xcit.dino.init_from import apply_weights, read_source
 
-        apply_weights(model, read_source(row_source(row, sources)))
+        weights = read_source(row_source(row, sources))
+        if OPTIMS[setting(row, "optim")].get("init_from_ema"):
+            weights = replace(weights, student=weights.teacher)
+        apply_weights(model, weights)
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
@@ -441,7 +495,7 @@ def run_row(row: dict, out: Path, world_size: int, accelerator: str = "cpu") -> 
     folder = out / row_id(row)
     folder.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
-    sources = write_sources(folder)
+    sources = write_sources(folder, row)
     runs: dict[str, dict] = {}
     try:
         if world_size > 1:

@@ -102,7 +102,7 @@ def _ema_one_rank() -> None:
 
 
 def _bn_unsynced() -> None:
-    from ssl_xcit.trainer import lifecycle
+    from ssl_xcit.dino import lifecycle
 
     lifecycle.convert_sync_batchnorm = lambda module: module
 
@@ -177,6 +177,21 @@ def _readable_ignored() -> None:
     optimizer_step.mean_over_readable = lambda params, readable, length: None
 
 
+def _init_from_ema_ignored() -> None:
+    """``init_from_ema`` leaves the student at SOURCE's student (its teacher is not copied in)."""
+    from ssl_xcit.dino import init_from
+
+    init_from._from_ema = lambda module, weights: weights
+
+
+def _koleo_group_ignored() -> None:
+    """KoLeo ignores ``koleo_group_size``: each rank's batch is spread on its own (DINOv2's per-rank KoLeo)."""
+    from ssl_xcit.dino import step
+    from ssl_xcit.dino.koleo import koleo_loss
+
+    step.grouped_koleo_loss = lambda view, group_size: koleo_loss(view)
+
+
 MUTANTS: dict[str, Mutant] = {
     "reduce_divisor": Mutant(
         "the window's explicit cross-rank reduction sums instead of averaging (that window's gradient doubled)",
@@ -213,6 +228,15 @@ MUTANTS: dict[str, Mutant] = {
     "readable_ignored": Mutant(
         "a window with a skipped micro-batch steps on the readable gradients' sum / k, not their mean",
         _row("2", "start"), _readable_ignored,
+    ),
+    # The rows of matrix_options.OPTIM_ROWS that hold the option (their 32-true and bf16-mixed cells).
+    "init_from_ema_ignored": Mutant(
+        "`init_from_ema` starts the student from SOURCE's student, not its teacher",
+        _row("2", "none", objective="init_from", optim="init_from_ema"), _init_from_ema_ignored,
+    ),
+    "koleo_group_ignored": Mutant(
+        "KoLeo ignores `koleo_group_size`: each rank's batch is spread on its own",
+        _row("2", "one_rank", objective="koleo", optim="koleo_group"), _koleo_group_ignored,
     ),
 }  # fmt: skip
 
