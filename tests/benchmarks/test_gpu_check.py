@@ -162,6 +162,7 @@ def test_rows_stream_to_json_and_a_section_past_its_budget_is_stopped(capsys, tm
     assert out.index("  not run augment_on | cpu (32-true)") < out.index("| check ")
 
 
+@pytest.mark.slow  # ~8 s: a dry run killed midway in a subprocess
 def test_a_killed_run_leaves_its_finished_rows(tmp_path):
     path = tmp_path / "rows.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -94,7 +94,8 @@ def test_pt2_matches_pytorch_at_two_batches_and_resolutions(tmp_path, name, kwar
 @pytest.mark.parametrize(
     "resolution", [64, pytest.param(96, marks=pytest.mark.slow)]
 )  # a second full ONNX export of CrossFormer++ (~10 s) runs with -m slow
-@pytest.mark.parametrize("fmt", [pytest.param("onnx", marks=pytest.mark.slow), "pt2"])  # ONNX: ~7 s more
+# ~7 s each; the default suite exports XCiT and ViT with a dynamic batch (test_pt2_matches_pytorch_*)
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.slow) for f in ("onnx", "pt2")])
 def test_crossformerpp_exports_one_resolution_with_a_dynamic_batch(tmp_path, fmt, resolution):
     model = _model(*FAMILIES[3])
     with pytest.raises(UserError, match=r"crossformerpp_small cannot be exported with a dynamic resolution: .*"

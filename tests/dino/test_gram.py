@@ -178,6 +178,7 @@ def test_a_gram_teacher_that_does_not_fit_is_one_line(tmp_path):
         assert not model.gram_teacher.initialised
 
 
+@pytest.mark.slow  # ~15 s: two fits and a resume; the default suite resumes Gram in the next-but-one test
 def test_a_resumed_run_needs_no_gram_teacher_file(tmp_path):
     """The fixed Gram teacher is read at a fresh fit's start and rides the checkpoints: neither
     ``DINO.load_from_checkpoint`` nor a resumed fit reads the file, which may be gone."""
@@ -365,6 +366,7 @@ def test_resume_restores_the_gram_teacher_and_its_refresh_count(tmp_path):
     assert _equal(weights, saved)  # the saved Gram teacher, neither the EMA teacher nor a new snapshot
 
 
+@pytest.mark.slow  # ~20 s: four fits (on, off, both ways)
 def test_a_run_switches_the_term_on_or_off_when_it_resumes(tmp_path):
     """DINOv3 switches Gram anchoring on late in a run: a checkpoint without the term resumes with it (the
     snapshot comes at gram_start_step, from the restored EMA teacher), and one with it resumes without it."""

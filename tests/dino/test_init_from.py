@@ -225,6 +225,7 @@ def _changed(a: dict, b: dict) -> bool:
     return any(not torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # ~13 s: a fit and its resume; test_auto_warmup_* check the warm-up's length by default
 def test_fresh_head_trains_alone_first_and_a_resume_never_reads_the_source_again(tmp_path, tiny):
     path = tmp_path / "teacher.safetensors"
     source = _trained_looking(12)

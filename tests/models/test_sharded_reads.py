@@ -95,6 +95,21 @@ def folder(written, tmp_path) -> tuple[Path, dict]:
     return Path(shutil.copytree(written[0], tmp_path / "last.ckpt")), written[1]
 
 
+@pytest.fixture
+def read_sizes(monkeypatch) -> list[int]:
+    """The bytes of tensors of each ``read_dcp_entries`` call, in order (``sharded`` reads through it)."""
+    sizes: list[int] = []
+    read = sharded.read_dcp_entries
+
+    def spy(source, keys, metadata, trust=False):
+        got = read(source, keys, metadata, trust)
+        sizes.append(sum(v.numel() * v.element_size() for v in got.values() if isinstance(v, torch.Tensor)))
+        return got
+
+    monkeypatch.setattr(sharded, "read_dcp_entries", spy)
+    return sizes
+
+
 def _equal(got: dict, expected: dict) -> None:
     assert got.keys() == expected.keys()
     for key, value in expected.items():
@@ -172,17 +187,9 @@ def test_gather_writes_the_whole_state_a_group_at_a_time(folder, tmp_path, group
     _equal(build_backbone(out).state_dict(), _teacher_backbone(whole))  # and every reader takes the file
 
 
-def test_gather_reads_a_bounded_group_at_a_time(folder, tmp_path, monkeypatch):
+def test_gather_reads_a_bounded_group_at_a_time(folder, tmp_path, read_sizes):
     path, whole = folder
-    sizes: list[int] = []
-    read = sharded.read_dcp_entries
-
-    def spy(source, keys, metadata, trust=False):
-        got = read(source, keys, metadata, trust)
-        sizes.append(sum(v.numel() * v.element_size() for v in got.values() if isinstance(v, torch.Tensor)))
-        return got
-
-    monkeypatch.setattr(sharded, "read_dcp_entries", spy)
+    sizes = read_sizes
     gather_checkpoint(path, tmp_path / "one.ckpt", group_bytes=1 << 17)
     moments = [t for m in whole["optimizer_states"][0]["state"].values() for t in m.values()]
     largest = max(t.numel() * t.element_size() for t in [*whole["state_dict"].values(), *moments])
@@ -190,7 +197,7 @@ def test_gather_reads_a_bounded_group_at_a_time(folder, tmp_path, monkeypatch):
     assert len(sizes) > 10 and max(sizes) == largest
 
 
-def test_gather_to_safetensors_writes_the_model_a_group_at_a_time(folder, tmp_path, monkeypatch):
+def test_gather_to_safetensors_writes_the_model_a_group_at_a_time(folder, tmp_path, read_sizes):
     """A ``.safetensors`` OUT: the model's tensors by model key, byte for byte, read a bounded group at a time
     (the optimiser's spoilt bytes are never read), in a file safetensors itself reads, with the backbone in
     its metadata so that every reader (``init_from``, ``export``, k-NN's loader) takes it."""
@@ -199,15 +206,7 @@ def test_gather_to_safetensors_writes_the_model_a_group_at_a_time(folder, tmp_pa
 
     path, whole = folder
     _spoil_optimizer(path)
-    sizes: list[int] = []
-    read = sharded.read_dcp_entries
-
-    def spy(source, keys, metadata, trust=False):
-        got = read(source, keys, metadata, trust)
-        sizes.append(sum(v.numel() * v.element_size() for v in got.values() if isinstance(v, torch.Tensor)))
-        return got
-
-    monkeypatch.setattr(sharded, "read_dcp_entries", spy)
+    sizes = read_sizes
     out = main(["gather-checkpoint", str(path), str(tmp_path / "one.safetensors")])
     _equal(load_file(out), whole["state_dict"])
     with safe_open(str(out), framework="pt") as handle:
