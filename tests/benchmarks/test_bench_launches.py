@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from bench_scripts import doc_commands, load_script
 
 
+@pytest.mark.slow  # ~7 s: a profiled tiny run (the suite's time budget)
 def test_tiny_run_counts_the_step_s_operators_and_times_the_host(capsys):
     bench = load_script("bench_launches")
     (result,) = bench.main(["--tiny", "--models", "quickstart", "--steps", "2", "--warmup", "0", "--fake"])

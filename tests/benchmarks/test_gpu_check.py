@@ -95,6 +95,7 @@ def _script():
     return module
 
 
+@pytest.mark.slow  # ~10 s: the dry run's rows in this process (the suite's time budget)
 def test_dry_run_subset_in_process(capsys, tmp_path):
     gpu_check = _script()
     code = gpu_check.main(["--dry-run", "--only", "augment,sync", "--out", str(tmp_path)])

@@ -13,7 +13,7 @@ CASES = [
     ("xcit_nano_12_p16", {"depth": 1, "tokens_norm": True}),  # nano's default is tokens_norm=False
     ("cait_xxs24", {"depth": 1}),
     ("vit_small_patch16_224", {"depth": 1}),
-    ("crossformerpp_small", {"depths": (1, 1, 1, 1)}),
+    pytest.param("crossformerpp_small", {"depths": (1, 1, 1, 1)}, marks=pytest.mark.slow),  # ~5 s a build
     ("bixt_ti_l64_p16", {"depth": 2}),
 ]
 

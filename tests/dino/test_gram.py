@@ -178,7 +178,7 @@ def test_a_gram_teacher_that_does_not_fit_is_one_line(tmp_path):
         assert not model.gram_teacher.initialised
 
 
-@pytest.mark.slow  # ~15 s: two fits and a resume; the default suite resumes Gram in the next-but-one test
+@pytest.mark.slow  # ~15 s: two fits and a resume (the suite's time budget)
 def test_a_resumed_run_needs_no_gram_teacher_file(tmp_path):
     """The fixed Gram teacher is read at a fresh fit's start and rides the checkpoints: neither
     ``DINO.load_from_checkpoint`` nor a resumed fit reads the file, which may be gone."""
@@ -343,6 +343,7 @@ class _GramState(L.Callback):
         )
 
 
+@pytest.mark.slow  # ~20 s: a fit and its resume (the suite's time budget)
 def test_resume_restores_the_gram_teacher_and_its_refresh_count(tmp_path):
     from conftest import tiny_loader, tiny_trainer
 

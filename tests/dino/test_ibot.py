@@ -97,7 +97,7 @@ def test_weight_zero_keeps_dinos_layout_and_steps(tmp_path):
     } <= set(on.state_dict())
 
 
-@pytest.mark.parametrize("weight", [0.0, 1.0])
+@pytest.mark.parametrize("weight", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])  # a fit each: budget
 def test_the_patch_term_moves_the_patch_head_only_with_a_positive_weight(weight, tmp_path):
     """iBOT's machinery on (mask token, patch heads, masks drawn and the patch loss computed every step)
     with the term weighted 0: no gradient reaches the student's patch head, which AdamW then moves by its
@@ -122,7 +122,9 @@ def test_the_patch_term_moves_the_patch_head_only_with_a_positive_weight(weight,
     assert torch.equal(model.student.patch_head.mlp[0].weight, decayed) == (weight == 0.0)
 
 
-@pytest.mark.parametrize("backbone", ["crossformerpp_small", "bixt_ti_l64_p16"])
+@pytest.mark.parametrize(  # CrossFormer++ takes ~9 s to build: -m slow
+    "backbone", [pytest.param("crossformerpp_small", marks=pytest.mark.slow), "bixt_ti_l64_p16"]
+)
 def test_unmaskable_families_fail_at_construction(backbone):
     with pytest.raises(MaskingNotSupported, match="masking works with the xcit, vit, cait, dinov3 families"):
         DINO(backbone, ibot_loss_weight=1.0, **HEAD)

@@ -92,11 +92,10 @@ def test_linear_warmup_of_the_patch_weight():
     assert [s.ibot_weight_at(i) for i in (0, 2, 4, 100)] == [0.0, 0.5, 1.0, 1.0]
 
 
-# unmasked BatchNorm statistics also run in tests/dino/test_lockstep_crops.py; its fit runs with -m slow
-@pytest.mark.parametrize(
-    "options",
-    [{"ibot_weight_warmup_epochs": 1.0}, pytest.param({"ibot_bn_stats": "unmasked"}, marks=pytest.mark.slow)],
-)
+# ~10 s a fit (the suite's time budget): the warm-up's schedule and the unmasked statistics have fast tests of
+# their own (test_linear_warmup_of_the_patch_weight, tests/dino/test_lockstep_crops.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"ibot_weight_warmup_epochs": 1.0}, {"ibot_bn_stats": "unmasked"}])
 def test_dino_trains_with_each_diagnosis_option(options, tmp_path):
     def fit(**extra) -> DINO:
         L.seed_everything(0)

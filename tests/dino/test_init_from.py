@@ -266,6 +266,7 @@ def test_auto_warmup_only_without_a_head(tmp_path, tiny):
         assert model.init_state["head_warmup_steps"] == steps
 
 
+@pytest.mark.slow  # ~5 s: a fit (the suite's time budget); test_auto_warmup_only_without_a_head runs by default
 def test_auto_warmup_covers_every_fresh_head(tmp_path, tiny):
     """A source with a DINO head but no iBOT patch head (as an official checkpoint of an iBOT-less run): the
     random patch head must warm up alone too, the backbone held, instead of training into it from step 1. With
