@@ -58,12 +58,20 @@ def fit_args(images: Path, out: Path, world_size: int, steps: int, precision: st
     ]  # fmt: skip
 
 
-def main(out: Path, images: Path, world_size: int, steps: int, precision: str = "32-true") -> list[dict]:
+def main(
+    out: Path,
+    images: Path,
+    world_size: int,
+    steps: int,
+    precision: str = "32-true",
+    extra: tuple[str, ...] = (),
+) -> list[dict]:
+    """The census of the fit; ``extra``: more command-line arguments (options under test)."""
     from ssl_xcit.cli import main as cli_main
 
     census = LoopCensus()
     with census.installed():
-        cli_main(fit_args(images, out, world_size, steps, precision))
+        cli_main([*fit_args(images, out, world_size, steps, precision), *extra])
     rank = int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps(census.windows))
     return census.windows

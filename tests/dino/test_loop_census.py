@@ -59,6 +59,27 @@ def test_quickstart_loop_reads_nothing_between_syncs(tmp_path, precision):
     check(windows, "1 process", precision)
 
 
+# DINOv3's step options at their non-default values (the continue recipe's): each adds work to the step, none a host
+# read (a clip per submodule, layer-wise and patch-embedding lr multipliers, the sqrt lr rule, a constant teacher
+# momentum, local crops at half weight, an eval-mode teacher, a plain last layer).
+DINOV3_OPTIONS = (
+    "--model.init_args.clip_mode=per_module", "--model.init_args.layerwise_decay=0.9",
+    "--model.init_args.patch_embed_lr_mult=0.2", "--model.init_args.lr_scaling_rule=sqrt_wrt_1024",
+    "--model.init_args.final_momentum_teacher=0.996", "--model.init_args.local_crops_weight=0.5",
+    "--model.init_args.teacher_mode=eval", "--model.init_args.head_last_layer=linear",
+)  # fmt: skip
+
+
+@pytest.mark.slow  # ~10 s (the suite's time budget)
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_dinov3_options_read_nothing_between_syncs(tmp_path, precision):
+    import census_worker
+
+    data = images(tmp_path / "images", per_class=16)
+    windows = census_worker.main(tmp_path / precision, data, 1, STEPS, precision, DINOV3_OPTIONS)
+    check(windows, "1 process, DINOv3's options", precision)
+
+
 def test_census_counts_a_tensor_made_on_a_device_named_by_a_string():
     """``torch.tensor(data, device="cuda")`` is a blocking host-to-device copy as with ``torch.device("cuda")``;
     a ``"cpu"`` string is not. (Made on the meta device: the census sees the call, no CUDA is needed.)"""

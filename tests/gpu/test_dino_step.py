@@ -59,12 +59,13 @@ def one_step(
     koleo: bool,
     ibot_bn_stats: str = "all",
     gram_scale: int = 0,
+    options: dict | None = None,
 ) -> torch.Tensor:
     default = torch.get_default_dtype()
     # Parameters made in `dtype`, as bf16-true's init context does (a fake module cannot be cast afterwards).
     torch.set_default_dtype(dtype)
     try:
-        return _one_step(backbone, dtype, centering, ibot, koleo, ibot_bn_stats, gram_scale)
+        return _one_step(backbone, dtype, centering, ibot, koleo, ibot_bn_stats, gram_scale, options or {})
     finally:
         torch.set_default_dtype(default)
 
@@ -77,6 +78,7 @@ def _one_step(
     koleo: bool,
     ibot_bn_stats: str,
     gram_scale: int,
+    options: dict,
 ) -> torch.Tensor:
     with FakeTensorMode(), torch.device("cuda"):
         model = DINO(
@@ -92,6 +94,7 @@ def _one_step(
             freeze_last_layer=1,
             gram_loss_weight=1.0 if gram_scale else 0.0,  # gram_scale 0: Gram anchoring off
             gram_resolution_scale=max(gram_scale, 1),
+            **options,
         )
         assert next(model.parameters()).dtype == dtype
         crops = [torch.randn(4, 3, s, s, dtype=dtype) for s in (32, 32, 16, 16)]
@@ -208,6 +211,35 @@ def test_gram_anchoring_step_has_no_device_mismatch_and_no_host_sync(
         lambda rate, depth: np.linspace(0, rate, depth).tolist(),
     )
     total = one_step(backbone, dtype, "sinkhorn_knopp", ibot, True, gram_scale=gram_scale)
+    assert total.shape == () and total.dtype == torch.float32
+
+
+# DINOv3's step options at their non-default values (recipes/continue_dinov3.yaml's), with Gram anchoring, which
+# the local crops' weight schedule follows: the clip per submodule, layer-wise and patch-embedding lr multipliers,
+# a constant teacher momentum, local crops at half weight, eval-mode teachers, a plain last layer.
+DINOV3_OPTIONS = dict(clip_mode="per_module", layerwise_decay=0.9, patch_embed_lr_mult=0.2,
+                      final_momentum_teacher=0.996, local_crops_weight=0.5, teacher_mode="eval",
+                      head_last_layer="linear")  # fmt: skip
+
+
+@pytest.mark.parametrize(  # the other two pairs with -m slow (the suite's time budget)
+    "backbone, dtype",
+    [
+        ("xcit_nano_12_p8", torch.float32),
+        ("vit_tiny_patch16_224", torch.bfloat16),
+        pytest.param("xcit_nano_12_p8", torch.bfloat16, marks=pytest.mark.slow),
+        pytest.param("vit_tiny_patch16_224", torch.float32, marks=pytest.mark.slow),
+    ],
+    ids=["xcit-float32", "vit-bfloat16", "xcit-bfloat16", "vit-float32"],
+)
+def test_dinov3_options_step_has_no_device_mismatch_and_no_host_sync(backbone, dtype, monkeypatch):
+    monkeypatch.setattr(torch.nn.init, "trunc_normal_", timm.layers.trunc_normal_)  # as the test above
+    monkeypatch.setattr(
+        timm.models.vision_transformer,
+        "calculate_drop_path_rates",
+        lambda rate, depth: np.linspace(0, rate, depth).tolist(),
+    )
+    total = one_step(backbone, dtype, "sinkhorn_knopp", True, True, gram_scale=1, options=DINOV3_OPTIONS)
     assert total.shape == () and total.dtype == torch.float32
 
 
