@@ -22,11 +22,12 @@ class MultiCropWrapper(nn.Module):
     returns the backbone embeddings (same row order), for regularisers on the backbone output (KoLeo).
 
     ``lockstep_crops`` (set by FSDP2's sharding when the student's blocks reshard after forward): a backbone
-    with ``takes_input_lists`` (XCiT, ViT, DINOv3's ViT) takes all crop groups in one call,
-    ``forward_cls_patches_list``, each block called once for all of them, so FSDP2 gathers it twice a step
-    instead of twice per group. Each group is computed as in its own call (its BatchNorm statistics its own);
-    only the order of drop path's random draws differs (block by block across the groups), which is why it is
-    off by default: otherwise results are bitwise the separate calls' (tests/dino/test_lockstep_crops.py)."""
+    with ``takes_input_lists`` (every family's, unless built with other block classes) takes all crop groups
+    in one call, ``forward_cls_patches_list``, each block called once for all of them, so FSDP2 gathers it
+    twice a step instead of twice per group. Each group is computed as in its own call (its BatchNorm
+    statistics its own); only the order of drop path's random draws differs (block by block across the
+    groups), which is why it is off by default: otherwise results are bitwise the separate calls'
+    (tests/dino/test_lockstep_crops.py)."""
 
     lockstep_crops: bool = False
 

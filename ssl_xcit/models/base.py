@@ -30,7 +30,8 @@ replace the embedding of each masked patch with it after patch embedding and bef
 Class attributes: ``family`` (registry family), ``name`` (registry variant), ``embed_dim``, ``dense_dim``,
 ``size_multiple`` (input sides must be multiples of it), ``has_attention_maps``, ``gives_patch_tokens``
 (``forward_cls_patches`` works without a mask: true wherever masking is, and for ConvNeXt), ``takes_input_lists``
-(XCiT, ViT, DINOv3's ViT: blocks whose ``forward`` also takes a list of inputs, :class:`ListForward`).
+(every family: blocks whose ``forward`` also takes a list of inputs, :class:`ListForward`; false for a timm ViT,
+DINOv3 ViT, CaiT or ConvNeXt built with other block classes).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ checkpoints load strictly; their fixed-grid ``fourier_pos_encode.pos`` buffer is
 path, whose own loader drops the buffer too), which is what makes any size work.
 
 Global embedding: LayerNorm (``fc_norm``) of the mean of the latents. Dense descriptors: the tokens after the last
-bi-directional layer, normed by the LN that the final one-sided layer applies to them (``norm1_pat``).
+bi-directional layer, normed by the LN that the final one-sided layer applies to them (``norm1_pat``). The
+blocks take lists of inputs (``forward_cls_patches_list``: each block called once for all of them,
+:class:`~ssl_xcit.models.base.ListForward`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from timm.layers import lecun_normal_, trunc_normal_
 from torch import Tensor, nn
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone
-from ssl_xcit.models.bixt_layers import BiXTBlock, Norm, PatchEmbed
+from ssl_xcit.models import bixt_layers
+from ssl_xcit.models.base import Backbone, ListForward, per_input
+from ssl_xcit.models.bixt_layers import Norm, PatchEmbed
 from ssl_xcit.models.layers import PositionalEncodingFourier
 
 _TI = dict(embed_dim=192, depth=12, num_heads=6)  # official code: 6 heads of 32 dims (the v1 paper says 3)
@@ -48,6 +51,11 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+class BiXTBlock(ListForward, bixt_layers.BiXTBlock):
+    """:class:`ssl_xcit.models.bixt_layers.BiXTBlock` whose ``forward`` also takes lists of latents and of token
+    tensors and returns the list of its ``(latents, tokens, attention)`` triples; same name and parameters."""
+
+
 class BiXT(Backbone):
     """BiXT with official parameter names; inputs of any size whose sides are multiples of the token stride.
 
@@ -66,6 +74,7 @@ class BiXT(Backbone):
 
     family = "bixt"
     has_attention_maps = True
+    takes_input_lists = True
     masking_refusal = (
         "its global embedding is the mean of the latents, which never attend to a masked token's own output "
         "in the last (one-sided) layer, and the /8 and /4 tokenizers overlap neighbouring patches"
@@ -161,9 +170,7 @@ class BiXT(Backbone):
     # ------------------------------------------------------------------ forward
     def _run(self, x: Tensor, stop: int | None = None) -> Iterator[tuple[int, Tensor, Tensor, Tensor, tuple]]:
         """Yield (block index, latents, tokens, latents-to-tokens attention, grid) after each block."""
-        self.check_input(x)
-        pat, grid = self.patch_embed(x)
-        pat = self.pos_drop_pat(pat + self.fourier_pos_encode(*grid).to(pat.dtype))
+        pat, grid = self._embed(x)
         lat = self.latents.to(pat.dtype)  # batch 1; the first attention broadcasts it to B
         for i, block in enumerate(self.blocks):
             if self.grad_checkpointing and torch.is_grad_enabled():
@@ -185,6 +192,31 @@ class BiXT(Backbone):
     def forward(self, x: Tensor) -> Tensor:
         """``fc_norm`` of the mean latent (B, D) when ``num_classes == 0``, logits otherwise."""
         return self.forward_head(self.forward_features(x))
+
+    def _embed(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        """The tokens (B, N, D) with their Fourier positional encoding, and the grid."""
+        self.check_input(x)
+        pat, grid = self.patch_embed(x)
+        return self.pos_drop_pat(pat + self.fourier_pos_encode(*grid).to(pat.dtype)), grid
+
+    def forward_cls_patches_list(
+        self, xs: list[Tensor], masks: list[Tensor | None] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per input, the global embedding (``forward`` of a headless model) and the tokens (B, N, D) after the
+        last bi-directional layer (without a norm: the one that reads them belongs to the last block, an FSDP2
+        unit of its own), each block called once with the lists of all inputs' latents and tokens. No masks
+        (``masks`` all None)."""
+        if masks is not None and any(m is not None for m in masks):
+            self.enable_masking()  # refuses in one line
+        pats = [pat for pat, _ in per_input(self._embed, list(xs))]
+        lats = [self.latents.to(p.dtype) for p in pats]  # batch 1; the first attention broadcasts it to B
+        for block in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                outputs = torch.utils.checkpoint.checkpoint(block, lats, pats, use_reentrant=False)
+            else:
+                outputs = block(lats, pats)
+            lats, pats = [lat for lat, _, _ in outputs], [pat for _, pat, _ in outputs]
+        return [(self.forward_head(lat, pre_logits=True), pat) for lat, pat in zip(lats, pats, strict=True)]
 
     def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """Tokens (B, N, D) after the last bi-directional layer, normed by the last layer's ``norm1_pat``."""

@@ -8,7 +8,9 @@ this subclass adds for self-supervised use:
 * ``forward_patch_tokens``: the final-LayerNorm patch tokens (class attention leaves them unchanged);
 * ``get_attention_maps``: the class token's attention over the patches in each class-attention block;
 * ``get_intermediate_layers`` / ``get_intermediate_cls`` as in XCiT (tokens of chosen self-attention blocks, and
-  the CLS that class attention + norm computes from them).
+  the CLS that class attention + norm computes from them);
+* ``forward_cls_patches_list``: timm's blocks (self- and class-attention) take lists of inputs, each block called
+  once for all of them (:class:`~ssl_xcit.models.base.ListForward`; FSDP2 gathers it once: docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from timm.layers import resample_abs_pos_embed
+from timm.models import cait
 from timm.models.cait import Cait
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone
+from ssl_xcit.models.base import Backbone, ListForward, input_masks, per_input
 
 # name -> (embed_dim, depth, heads, LayerScale init, paper Table 3 drop path). Head dim is 48 throughout.
 # The LayerScale init follows timm/DeiT code where a variant is defined there, else paper Table 3 (backbones.md
@@ -43,6 +46,22 @@ _SHAPES: dict[str, tuple[int, int, int, float, float | None]] = {
 VARIANTS: dict[str, dict] = {
     name: dict(embed_dim=d, depth=depth, num_heads=heads, init_values=eps)
     for name, (d, depth, heads, eps, _) in _SHAPES.items()
+}
+
+
+class LayerScaleBlock(ListForward, cait.LayerScaleBlock):
+    """timm's CaiT self-attention block whose ``forward`` also takes a list of token tensors
+    (``forward_cls_patches_list``); same name and parameters. :class:`CaiT` gives its timm blocks this class."""
+
+
+class LayerScaleBlockClassAttn(ListForward, cait.LayerScaleBlockClassAttn):
+    """timm's CaiT class-attention block whose ``forward`` also takes a list of token tensors with the list of
+    their class tokens; same name and parameters."""
+
+
+_LIST_BLOCKS = {
+    cait.LayerScaleBlock: LayerScaleBlock,
+    cait.LayerScaleBlockClassAttn: LayerScaleBlockClassAttn,
 }
 
 
@@ -87,6 +106,14 @@ class CaiT(Backbone, Cait):
         self.size_multiple = self.patch_size = patch_size
         self.depth = depth
         self.patch_embed.strict_img_size = False  # sizes are checked (with a clear message) by check_input
+        # timm's blocks take lists once given the subclass (no new module: parameter names unchanged); a model
+        # built with other block classes keeps them and one pass per input.
+        for block in [*self.blocks, *self.blocks_token_only]:
+            if type(block) in _LIST_BLOCKS:
+                block.__class__ = _LIST_BLOCKS[type(block)]
+        self.takes_input_lists = all(
+            type(b) in _LIST_BLOCKS.values() for b in [*self.blocks, *self.blocks_token_only]
+        )
 
     # ------------------------------------------------------------------ forward
     def _pos_embed_for(self, grid: tuple[int, int]) -> Tensor:
@@ -104,8 +131,8 @@ class CaiT(Backbone, Cait):
         x = self._apply_mask(self.patch_embed(x), mask) + self._pos_embed_for(grid).to(x.dtype)
         return self.pos_drop(x), grid
 
-    def _run_blocks(self, x: Tensor, upto: int | None = None) -> list[Tensor]:
-        """Outputs of self-attention blocks 0 .. upto (all if None)."""
+    def _run_blocks(self, x: Tensor | list[Tensor], upto: int | None = None) -> list[Tensor]:
+        """Outputs of self-attention blocks 0 .. upto (all if None); ``x`` a list: each output the list."""
         outputs = []
         for block in self.blocks[: None if upto is None else upto + 1]:
             if self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting():
@@ -133,6 +160,21 @@ class CaiT(Backbone, Cait):
         ``mask`` (B, N) bool replaces masked patches with the mask token (``enable_masking``)."""
         x, grid = self._embed(x, mask)
         return self.norm(self._run_blocks(x)[-1]), grid
+
+    def forward_cls_patches_list(
+        self, xs: list[Tensor], masks: list[Tensor | None] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``forward_cls_patches`` of each input, each self-attention and class-attention block called once with
+        the list of all inputs' tokens (and of their class tokens)."""
+        if not self.takes_input_lists:
+            return super().forward_cls_patches_list(xs, masks)
+        tokens = [t for t, _ in per_input(self._embed, list(xs), input_masks(xs, masks))]
+        tokens = self._run_blocks(tokens)[-1]
+        cls_tokens = [self.cls_token.expand(t.shape[0], -1, -1) for t in tokens]
+        for block in self.blocks_token_only:
+            cls_tokens = block(tokens, cls_tokens)
+        tokens = [self.norm(torch.cat((c, t), dim=1)) for c, t in zip(cls_tokens, tokens, strict=True)]
+        return [(self.forward_head(t, pre_logits=True), t[:, self.num_prefix_tokens :]) for t in tokens]
 
     # -------------------------------------------------------- evaluation access
     def get_intermediate_layers(self, x: Tensor, n: int | Sequence[int] = 1) -> list[Tensor]:

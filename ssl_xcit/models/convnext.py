@@ -12,7 +12,9 @@ Blocks are indexed over all stages (0 .. sum(depths) - 1), as for CrossFormer++.
 convolution mixes every patch with its neighbours before any token exists, so no per-patch token can be
 replaced by a mask token (DINOv3 trains its ConvNeXts by distillation only). Gram anchoring works: it holds
 the Gram matrix of the last stage's normed tokens. Meta's own ConvNeXt layout (``downsample_layers``,
-``dwconv``, ``pwconv1``) is read by :func:`convert_state_dict`.
+``dwconv``, ``pwconv1``) is read by :func:`convert_state_dict`. timm's blocks take lists of inputs
+(``forward_cls_patches_list``: each block called once for all of them, :class:`~ssl_xcit.models.base.ListForward`;
+the stem and the downsamplings between stages, which are not FSDP2 units, run per input).
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import timm
 import torch
+from timm.models import convnext
 from timm.models.convnext import ConvNeXt
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone
+from ssl_xcit.models.base import Backbone, ListForward, per_input
 
 # Name -> stem width: a state dict of another width is not compared (building a variant takes a second).
 _STEM_WIDTHS = {"convnext_tiny": 96, "convnext_small": 96, "convnext_base": 128, "convnext_large": 192}
 VARIANTS: dict[str, dict] = {name: {"model_name": name} for name in _STEM_WIDTHS}
+
+
+class ConvNeXtBlock(ListForward, convnext.ConvNeXtBlock):
+    """timm's ``ConvNeXtBlock`` whose ``forward`` also takes a list of feature maps (``forward_cls_patches_list``);
+    same name and parameters. :class:`TimmConvNeXt` gives its timm blocks this class in place."""
 
 
 class TimmConvNeXt(Backbone, ConvNeXt):
@@ -63,6 +71,12 @@ class TimmConvNeXt(Backbone, ConvNeXt):
         self.depths = tuple(len(stage.blocks) for stage in self.stages)
         self.depth = sum(self.depths)
         self.size_multiple = 32
+        # Parameter names unchanged (no new module); a model with other block classes keeps a pass per input.
+        for stage in self.stages:
+            for block in stage.blocks:
+                if type(block) is convnext.ConvNeXtBlock:
+                    block.__class__ = ConvNeXtBlock
+        self.takes_input_lists = all(type(b) is ConvNeXtBlock for s in self.stages for b in s.blocks)
 
     def token_grid(self, height: int, width: int) -> tuple[int, int]:
         return height // 32, width // 32
@@ -81,6 +95,26 @@ class TimmConvNeXt(Backbone, ConvNeXt):
             self.enable_masking()  # refuses in one line
         feature_map = self.forward_features(x)
         return self.forward_head(feature_map, pre_logits=True), self._normed_tokens(feature_map)
+
+    def forward_cls_patches_list(
+        self, xs: list[Tensor], masks: list[Tensor | None] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``forward_cls_patches`` of each input, each block called once with the list of all inputs' feature
+        maps; the stem and each stage's downsampling run per input. No masks (``masks`` all None)."""
+        if masks is not None and any(m is not None for m in masks):
+            self.enable_masking()  # refuses in one line
+        if not self.takes_input_lists:
+            return super().forward_cls_patches_list(xs)
+        for x in xs:
+            self.check_input(x)
+        maps = per_input(self.stem, list(xs))
+        for stage in self.stages:
+            maps = per_input(stage.downsample, maps)
+            for block in stage.blocks:
+                use_checkpoint = stage.grad_checkpointing and torch.is_grad_enabled()  # timm's is per stage
+                maps = checkpoint(block, maps, use_reentrant=False) if use_checkpoint else block(maps)
+        maps = per_input(self.norm_pre, maps)
+        return [(self.forward_head(m, pre_logits=True), self._normed_tokens(m)) for m in maps]
 
     def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """The last stage's tokens through the final norm (B, h*w, C), and their grid."""

@@ -10,7 +10,8 @@ detection backbone stores it and so breaks after one small input, see backbones.
 
 Data path: CEL (4 convs, stride 4) -> stage 1 -> CEL -> stage 2 -> CEL -> stage 3 -> CEL -> stage 4 -> LN ->
 mean over tokens. Stage 3 tokens (stride 16), normed by the following CEL's input LayerNorm, are the dense
-descriptors.
+descriptors. The blocks take lists of inputs with the lists of their grid sides (``forward_cls_patches_list``:
+each block called once for all of them, :class:`~ssl_xcit.models.base.ListForward`); the CELs run per input.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone
+from ssl_xcit.models import crossformerpp_layers
+from ssl_xcit.models.base import Backbone, ListForward, per_input
 from ssl_xcit.models.crossformerpp_layers import PatchEmbed, Stage
 
 _COMMON = dict(
@@ -50,6 +52,11 @@ SUPERVISED_DROP_PATH = {
 }
 
 
+class CrossFormerBlock(ListForward, crossformerpp_layers.CrossFormerBlock):
+    """:class:`ssl_xcit.models.crossformerpp_layers.CrossFormerBlock` whose ``forward`` also takes a list of token
+    tensors, with lists of their grid sides (``forward_cls_patches_list``); same name and parameters."""
+
+
 class CrossFormerPP(Backbone):
     """CrossFormer++ with official parameter names, any input whose sides are multiples of 32.
 
@@ -64,6 +71,7 @@ class CrossFormerPP(Backbone):
     """
 
     family = "crossformerpp"
+    takes_input_lists = True
     size_multiple = 32  # four stages: stride 4, then three stride-2 merges
     size_reason = "CrossFormer++ embeds at stride 4 and halves the map 3 times"
     masking_refusal = (
@@ -120,6 +128,7 @@ class CrossFormerPP(Backbone):
                 qkv_bias=qkv_bias,
                 drop=drop_rate,
                 attn_drop=attn_drop_rate,
+                block_class=CrossFormerBlock,
             )  # fmt: skip
             for i in range(n_stages)
         )
@@ -170,6 +179,34 @@ class CrossFormerPP(Backbone):
     def forward(self, x: Tensor) -> Tensor:
         """Mean of the normed stage-4 tokens (B, 8C) when ``num_classes == 0``, logits otherwise."""
         return self.forward_head(self.forward_features(x))
+
+    def forward_cls_patches_list(
+        self, xs: list[Tensor], masks: list[Tensor | None] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per input, the global embedding (``forward`` of a headless model) and the final-norm stage-4 tokens
+        (``forward_features``), each block called once with the list of all inputs' tokens and the lists of
+        their grid sides; the CELs run per input. No masks (``masks`` all None)."""
+        if masks is not None and any(m is not None for m in masks):
+            self.enable_masking()  # refuses in one line
+        for x in xs:
+            self.check_input(x)
+        embedded = per_input(self.patch_embed, list(xs))
+        tokens = [self.pos_drop(t) for t, _ in embedded]
+        heights, widths = [h for _, (h, _) in embedded], [w for _, (_, w) in embedded]
+        for s, stage in enumerate(self.layers):
+            if s > 0:
+                merged = per_input(self.layers[s - 1].downsample, tokens, heights, widths)
+                tokens = [t for t, _ in merged]
+                heights, widths = [h for _, (h, _) in merged], [w for _, (_, w) in merged]
+            for block in stage.blocks:
+                if self.grad_checkpointing and torch.is_grad_enabled():
+                    tokens = torch.utils.checkpoint.checkpoint(
+                        block, tokens, heights, widths, use_reentrant=False
+                    )
+                else:
+                    tokens = block(tokens, heights, widths)
+        tokens = [self.norm(t) for t in tokens]
+        return [(self.forward_head(t, pre_logits=True), t) for t in tokens]
 
     def forward_patch_tokens(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         """Stage-3 tokens (B, H/16 * W/16, 4C), normed by the stage-4 CEL's input LN, and their grid."""

@@ -213,10 +213,12 @@ class Stage(nn.Module):
     """Blocks of one stage (SDA at even, LDA at odd indices; ACL after every third but the last) + next CEL."""
 
     def __init__(self, dim: int, depth: int, num_heads: int, group_size: int, interval: int,
-                 merge: Sequence[int] | None, use_acl: bool, drop_path: Sequence[float], **block_kw) -> None:  # fmt: skip
+                 merge: Sequence[int] | None, use_acl: bool, drop_path: Sequence[float],
+                 block_class: type[CrossFormerBlock] | None = None, **block_kw) -> None:  # fmt: skip
         super().__init__()
+        block_class = block_class or CrossFormerBlock  # the model's passes its list-taking subclass
         self.blocks = nn.ModuleList(
-            CrossFormerBlock(
+            block_class(
                 dim,
                 num_heads,
                 group_size,

@@ -9,8 +9,8 @@ teacher, the Gram teacher, a distillation teacher and distillation's student EMA
 student, so every rank holds the same slice of a parameter in all of them and the EMA update is local
 (:func:`local_parameters`). The student's blocks are freed after each forward by default, so no rank ever holds
 the whole student; ``reshard_after_forward`` false keeps them gathered from their first forward of a step to the end
-of its backward (one all-gather per block per step instead of 2 for XCiT, ViT and DINOv3's ViT, whose blocks
-take every crop group in one call, or 4 for the other families; docs/scaling.md).
+of its backward (one all-gather per block per step instead of 2: every family's blocks take every crop group in
+one call; docs/scaling.md).
 
 With ``bf16-mixed`` the units compute in bf16, reduce gradients in float32 and keep float32 master weights
 (DINOv3's ``MixedPrecisionPolicy``); BatchNorms (XCiT's, which DINOv3's ViTs lack) keep float32 weights.

@@ -3,11 +3,11 @@ process group of 4 ranks in this one process (its collectives do nothing: the co
 these tests read). A step is what ``ssl_xcit.dino.step`` runs: the teacher on the global crops without
 gradients, the student on all crops (2 global, 2 local of half the side), one backward.
 
-With ``reshard_after_forward`` true (the strategy's default, as DINOv3's blocks) each student block of XCiT, ViT and
-DINOv3's ViT is gathered twice a step (issue 52; 4 before): the sharding sets ``MultiCropWrapper.lockstep_crops``,
-and the student's crop groups go through each block in one call (``forward_cls_patches_list``, as DINOv3's
-``forward_features_list``), one forward and one backward gather. The other families' blocks take one tensor: each
-resolution's forward and its backward gather them, 4 times a step. With it false (``SHARD_GRAD_OP``) once."""
+With ``reshard_after_forward`` true (the strategy's default, as DINOv3's blocks) each student block of every family
+(XCiT, ViT, DINOv3's ViT, CaiT, ConvNeXt, CrossFormer++, BiXT) is gathered twice a step (issue 52; 4 before): the
+sharding sets ``MultiCropWrapper.lockstep_crops``, and the student's crop groups go through each block in one call
+(``forward_cls_patches_list``, as DINOv3's ``forward_features_list``), one forward and one backward gather. With it
+false (``SHARD_GRAD_OP``) once."""
 
 from __future__ import annotations
 
@@ -121,18 +121,18 @@ FAMILIES = {
     "xcit": ("xcit_nano_12_p8", {"depth": 1}, (16, 8), 2),
     "vit": ("vit_tiny_patch16_224", {"depth": 2, "patch_size": 8}, (16, 8), 2),
     "dinov3": ("vit_small_patch16_dinov3", {"embed_dim": 32, "depth": 2, "num_heads": 2}, (32, 16), 2),
-    "cait": ("cait_xxs24", {"depth": 1, "patch_size": 8}, (16, 8), 4),
-    "crossformerpp": ("crossformerpp_small", {"depths": (1, 1, 1, 1)}, (64, 32), 4),
-    "bixt": ("bixt_ti_l64_p16", {"depth": 2}, (32, 16), 4),
-    "convnext": ("convnext_tiny", {"depths": (1, 1, 1, 1), "dims": (8, 16, 24, 32)}, (64, 32), 4),
+    "cait": ("cait_xxs24", {"depth": 1, "patch_size": 8}, (16, 8), 2),
+    "crossformerpp": ("crossformerpp_small", {"depths": (1, 1, 1, 1)}, (64, 32), 2),
+    "bixt": ("bixt_ti_l64_p16", {"depth": 2}, (32, 16), 2),
+    "convnext": ("convnext_tiny", {"depths": (1, 1, 1, 1), "dims": (8, 16, 24, 32)}, (64, 32), 2),
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_reshard_after_forward_true_gathers_list_blocks_twice(gathers, family):
-    """``reshard_after_forward`` true (FULL_SHARD, the least memory): XCiT's (its class-attention blocks too),
-    ViT's and DINOv3's blocks take the student's crop groups in one call and are gathered twice a step (4 before
-    issue 52, as the other families' still are: each resolution's forward and its backward)."""
+    """``reshard_after_forward`` true (FULL_SHARD, the least memory): every family's blocks (XCiT's and CaiT's
+    class-attention blocks too, ConvNeXt's and CrossFormer++'s in every stage) take the student's crop groups in
+    one call and are gathered twice a step (4 before issue 52: each resolution's forward and its backward)."""
     name, kwargs, (big, small), expected = FAMILIES[family]
     mesh, counts = gathers
     masking = family in MASKING_FAMILIES  # also iBOT's step: the masked global crops with the local ones
