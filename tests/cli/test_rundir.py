@@ -29,6 +29,7 @@ def test_versions_are_numbered_and_latest_resumable_skips_runs_without_last(tmp_
     assert latest_resumable(root) == root / "version_1"  # version_11 has no last.ckpt
 
 
+@pytest.mark.slow  # ~10 s: three fits (the default suite's budget); latest_resumable's choice is tested above
 def test_two_runs_then_resume_picks_the_latest(tmp_path, image_folder, caplog):
     args = tiny_config(tmp_path, image_folder)
     runs = tmp_path / "runs"

@@ -39,10 +39,8 @@ def _source(folder: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
 
 
 @pytest.mark.distributed
-# init_from_ema (the same read, each tensor wanted twice) runs with -m slow: 2 processes cost ~7 s a case
-@pytest.mark.parametrize(
-    "ema", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["own-sides", "init_from_ema"]
-)
+@pytest.mark.slow  # ~12 s a case: 2 processes (the default suite's budget)
+@pytest.mark.parametrize("ema", [False, True], ids=["own-sides", "init_from_ema"])
 def test_sharded_source_reads_each_element_once(tmp_path, ema):
     state, parameters = _source(tmp_path / "source.ckpt")
     torchrun(WORKER, str(tmp_path / "source.ckpt"), str(tmp_path), "1" if ema else "0", timeout=240)

@@ -167,6 +167,7 @@ def _assert_no_failure(rows: list[dict], results: list[dict]) -> None:
     assert not failed, f"{len(failed)} failed cells:\n" + "\n".join(map(str, failed)) + "\n" + table
 
 
+@pytest.mark.slow  # ~17 s; the default suite keeps test_a_seeded_defect_is_killed on the same row
 @pytest.mark.distributed
 def test_fast_row_holds_every_invariant(tmp_path):
     """One row: the 2-process runs under torchrun, the 1-process references in this process."""
