@@ -37,7 +37,7 @@ DINOv3 ViT, CaiT or ConvNeXt built with other block classes).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -104,6 +104,17 @@ class ListForward:
         if isinstance(x, list):
             return per_input(super().forward, x, *args, **kwargs)  # type: ignore[misc]
         return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+
+
+def give_list_forward(blocks: Iterable[nn.Module], classes: dict[type, type]) -> bool:
+    """Give each block whose class is a key of ``classes`` (a timm block class) its list-taking subclass (the
+    value, :class:`ListForward` first) in place: no new module, so parameter names are unchanged. Returns
+    whether every block now takes lists (a model built with other block classes keeps a pass per input)."""
+    blocks = list(blocks)
+    for block in blocks:
+        if type(block) in classes:
+            block.__class__ = classes[type(block)]
+    return all(type(b) in classes.values() for b in blocks)
 
 
 def input_masks(xs: Sequence[Tensor], masks: Sequence[Tensor | None] | None) -> list[Tensor | None]:

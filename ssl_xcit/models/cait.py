@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone, ListForward, input_masks, per_input
+from ssl_xcit.models.base import Backbone, ListForward, give_list_forward, input_masks, per_input
 
 # name -> (embed_dim, depth, heads, LayerScale init, paper Table 3 drop path). Head dim is 48 throughout.
 # The LayerScale init follows timm/DeiT code where a variant is defined there, else paper Table 3 (backbones.md
@@ -106,14 +106,7 @@ class CaiT(Backbone, Cait):
         self.size_multiple = self.patch_size = patch_size
         self.depth = depth
         self.patch_embed.strict_img_size = False  # sizes are checked (with a clear message) by check_input
-        # timm's blocks take lists once given the subclass (no new module: parameter names unchanged); a model
-        # built with other block classes keeps them and one pass per input.
-        for block in [*self.blocks, *self.blocks_token_only]:
-            if type(block) in _LIST_BLOCKS:
-                block.__class__ = _LIST_BLOCKS[type(block)]
-        self.takes_input_lists = all(
-            type(b) in _LIST_BLOCKS.values() for b in [*self.blocks, *self.blocks_token_only]
-        )
+        self.takes_input_lists = give_list_forward([*self.blocks, *self.blocks_token_only], _LIST_BLOCKS)
 
     # ------------------------------------------------------------------ forward
     def _pos_embed_for(self, grid: tuple[int, int]) -> Tensor:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone, ListForward, per_input
+from ssl_xcit.models.base import Backbone, ListForward, give_list_forward, per_input
 
 # Name -> stem width: a state dict of another width is not compared (building a variant takes a second).
 _STEM_WIDTHS = {"convnext_tiny": 96, "convnext_small": 96, "convnext_base": 128, "convnext_large": 192}
@@ -71,12 +71,9 @@ class TimmConvNeXt(Backbone, ConvNeXt):
         self.depths = tuple(len(stage.blocks) for stage in self.stages)
         self.depth = sum(self.depths)
         self.size_multiple = 32
-        # Parameter names unchanged (no new module); a model with other block classes keeps a pass per input.
-        for stage in self.stages:
-            for block in stage.blocks:
-                if type(block) is convnext.ConvNeXtBlock:
-                    block.__class__ = ConvNeXtBlock
-        self.takes_input_lists = all(type(b) is ConvNeXtBlock for s in self.stages for b in s.blocks)
+        self.takes_input_lists = give_list_forward(
+            (b for s in self.stages for b in s.blocks), {convnext.ConvNeXtBlock: ConvNeXtBlock}
+        )
 
     def token_grid(self, height: int, width: int) -> tuple[int, int]:
         return height // 32, width // 32

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import Backbone, ListForward, input_masks, per_input
+from ssl_xcit.models.base import Backbone, ListForward, give_list_forward, input_masks, per_input
 
 # Width of each size timm registers (``_qkvb``: the variants with q and v biases, as Meta's S and S+ have).
 _WIDTHS = {
@@ -100,10 +100,7 @@ class DinoV3ViT(Backbone, Eva):
         self.size_multiple = self.patch_size = self.patch_embed.patch_size[0]
         self.depth = len(self.blocks)
         self.has_attention_maps = True
-        for block in self.blocks:  # in place: no new module, parameter names unchanged
-            if type(block) is eva.EvaBlock:
-                block.__class__ = EvaBlock
-        self.takes_input_lists = all(type(b) is EvaBlock for b in self.blocks)
+        self.takes_input_lists = give_list_forward(self.blocks, {eva.EvaBlock: EvaBlock})
 
     # ------------------------------------------------------------------------------------------ forward
     def _tokens(self, x: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:

@@ -20,7 +20,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ssl_xcit.errors import UserError
-from ssl_xcit.models.base import AttentionNotSupported, Backbone, ListForward, input_masks, per_input
+from ssl_xcit.models.base import (
+    AttentionNotSupported,
+    Backbone,
+    ListForward,
+    give_list_forward,
+    input_masks,
+    per_input,
+)
 
 VARIANTS: dict[str, dict] = {
     name: {"model_name": name}
@@ -76,12 +83,8 @@ class TimmViT(Backbone, VisionTransformer):
         self.size_multiple = self.patch_size = self.patch_embed.patch_size[0]
         self.depth = len(self.blocks)
         self.has_attention_maps = self.cls_token is not None
-        # timm's plain blocks take lists once given the subclass (no new module: parameter names unchanged);
-        # a variant with other blocks (parallel ones) keeps them and one pass per input.
-        for block in self.blocks:
-            if type(block) is vision_transformer.Block:
-                block.__class__ = Block
-        self.takes_input_lists = all(type(b) is Block for b in self.blocks)
+        # timm's plain blocks take lists; a variant with other blocks (parallel ones) keeps a pass per input.
+        self.takes_input_lists = give_list_forward(self.blocks, {vision_transformer.Block: Block})
 
     def _tokens(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         self.check_input(x)

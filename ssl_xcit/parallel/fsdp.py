@@ -67,8 +67,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             checkpoint); ``False`` gathers the whole state on rank 0 into one file.
         reshard_after_forward: what the student's blocks do after their forward (FSDP2's argument):
             ``True`` (default; DINOv3's ``fsdp/ac_compile_parallelize.py`` passes it for every block) frees
-            them after each forward, so no rank holds the whole student: each crop resolution's forward and its
-            backward gather again, 4 per block per step; ``False`` (the ``SHARD_GRAD_OP`` its configs name)
+            them after each forward, so no rank holds the whole student: the forward over all crop groups and
+            its backward gather each block, 2 per block per step; ``False`` (the ``SHARD_GRAD_OP`` its configs name)
             keeps them gathered until the step's backward has ended, one all-gather per block per step, at the
             cost of the whole student's parameters in the compute dtype on every rank; an int ``k`` reshards
             to groups of ``k`` ranks, so backward gathers over ``k`` ranks only.
